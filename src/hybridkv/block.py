@@ -1,0 +1,166 @@
+"""Block (one page of one cache group) and FreeBlockQueue (intrusive doubly linked list).
+
+The free queue *is* the eviction order: the head is reused (and, if it still carries a hash,
+evicted) first. Every operation is O(1) per block and allocates no Python objects, because the
+links live on the blocks themselves (``prev_free`` / ``next_free``).
+
+>>> blocks = [Block(i) for i in range(6)]
+>>> queue = FreeBlockQueue(blocks[:1])
+>>> queue.prepend_n([blocks[4], blocks[5]]); [b.block_id for b in queue]
+[4, 5, 0]
+>>> queue.prepend_n([blocks[1], blocks[2]]); [b.block_id for b in queue]
+[1, 2, 4, 5, 0]
+>>> queue.remove(blocks[4]); [b.block_id for b in queue.popleft_n(2)], len(queue)
+([1, 2], 2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from hybridkv.errors import InvariantViolation
+from hybridkv.ids import BlockHash, GroupId
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """One physical block of the pool.
+
+    Invariants (checked by ``BlockPool.check_invariants``):
+        - ``ref_count`` equals the number of request block tables holding the block;
+        - ``ref_count == 0`` and not null ⇔ the block is linked in exactly one free tier;
+        - ``block_hash is None`` ⇔ ``hash_group_id is None``;
+        - the null block is never hashed, never linked and its ``ref_count`` stays 0.
+    """
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    hash_group_id: GroupId | None = None
+    is_null: bool = False
+    is_pinned: bool = False
+    prev_free: Block | None = field(default=None, repr=False)
+    next_free: Block | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        hashed = "" if self.block_hash is None else f", hash={self.block_hash[:4].hex()}"
+        return f"Block({self.block_id}, ref={self.ref_count}{hashed})"
+
+
+class FreeBlockQueue:
+    """Intrusive doubly linked list of free blocks with head/tail sentinels.
+
+    Invariants:
+        - walking ``next_free`` from the head sentinel reaches the tail sentinel after
+          exactly ``len(self)`` blocks, and ``prev_free`` links mirror ``next_free`` links;
+        - sentinels never leave the list and are never returned.
+    """
+
+    def __init__(self, blocks: Iterable[Block] = ()) -> None:
+        self._head = Block(-1)
+        self._tail = Block(-2)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_blocks = 0
+        self.append_n(blocks)
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def __iter__(self) -> Iterator[Block]:
+        node = self._head.next_free
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next_free
+
+    def peek_head(self) -> Block | None:
+        """The block ``popleft`` would return, or ``None`` when empty. Does not modify."""
+        first = self._head.next_free
+        return None if first is self._tail else first
+
+    def popleft(self) -> Block:
+        """Unlink and return the head block (the next eviction victim)."""
+        first = self._head.next_free
+        if first is None or first is self._tail:
+            raise InvariantViolation("popleft() on an empty FreeBlockQueue")
+        self.remove(first)
+        return first
+
+    def popleft_n(self, num_blocks: int) -> list[Block]:
+        """Unlink and return the first ``num_blocks`` blocks, head first."""
+        if num_blocks > self.num_blocks:
+            raise InvariantViolation(
+                f"popleft_n({num_blocks}) with only {self.num_blocks} free blocks"
+            )
+        taken: list[Block] = []
+        node = self._head.next_free
+        for _ in range(num_blocks):
+            assert node is not None
+            taken.append(node)
+            nxt = node.next_free
+            node.prev_free = node.next_free = None
+            node = nxt
+        self._head.next_free = node
+        assert node is not None
+        node.prev_free = self._head
+        self.num_blocks -= num_blocks
+        return taken
+
+    def remove(self, block: Block) -> None:
+        """Unlink ``block`` from anywhere in the queue (a cache hit "touches" it)."""
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise InvariantViolation(f"remove() of {block!r}, which is not in this queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_blocks -= 1
+
+    def append_n(self, blocks: Iterable[Block]) -> None:
+        """Link ``blocks`` at the tail in the given order (evicted last)."""
+        last = self._tail.prev_free
+        assert last is not None
+        count = 0
+        for block in blocks:
+            last.next_free = block
+            block.prev_free = last
+            last = block
+            count += 1
+        last.next_free = self._tail
+        self._tail.prev_free = last
+        self.num_blocks += count
+
+    def prepend_n(self, blocks: Iterable[Block]) -> None:
+        """Link ``blocks`` in front of the head, keeping their order (reused first)."""
+        first = self._head.next_free
+        assert first is not None
+        last = self._head
+        count = 0
+        for block in blocks:
+            last.next_free = block
+            block.prev_free = last
+            last = block
+            count += 1
+        last.next_free = first
+        first.prev_free = last
+        self.num_blocks += count
+
+    def check_links(self) -> list[Block]:
+        """Walk the list, verify the links and the count, and return the blocks in order."""
+        seen: list[Block] = []
+        node = self._head
+        while True:
+            nxt = node.next_free
+            if nxt is None or nxt.prev_free is not node:
+                raise InvariantViolation(f"broken free-queue link after {node!r}")
+            if nxt is self._tail:
+                break
+            seen.append(nxt)
+            if len(seen) > self.num_blocks:
+                raise InvariantViolation("free queue longer than its count (cycle?)")
+            node = nxt
+        if len(seen) != self.num_blocks:
+            raise InvariantViolation(f"free queue holds {len(seen)} blocks, count says "
+                                     f"{self.num_blocks}")
+        return seen

@@ -1,0 +1,333 @@
+"""KVCacheManager: the scheduler-facing façade.
+
+Lifecycle of a request::
+
+    add_request → [find_longest_hit → allocate_slots]  (admission)
+                → allocate_slots … append_token_ids …  (running: prefill chunks, decode)
+                → free (finish or preemption; may be admitted again) → remove_request
+
+Token ranges at an ``allocate_slots`` call (half-open)::
+
+    [0, num_computed)                 computed in earlier steps (or a prefix hit)
+    [num_computed, num_computed + n)  the n new tokens of this step: slots allocated, and
+                                      treated as computed once the call returns
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hybridkv.block import Block
+from hybridkv.config import CacheConfig
+from hybridkv.coordinator import HybridCoordinator
+from hybridkv.errors import (
+    ConfigError,
+    DoubleFreeError,
+    DuplicateRequestError,
+    InvariantViolation,
+    RequestError,
+    StaleHitError,
+    UnknownRequestError,
+)
+from hybridkv.hashing import BlockHasher, ExtraKeys
+from hybridkv.ids import BlockHash, ReqId
+from hybridkv.policies import PrependPolicy, RetentionPolicy, make_retention_policy
+from hybridkv.pool import BlockPool
+from hybridkv.stats import PrefixCacheStats
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """Result of ``find_longest_hit``; valid until the next mutating call.
+
+    Attributes:
+        num_tokens: hit length (a multiple of the alignment, ``<= prompt - 1``).
+        blocks: per group, the hit table (null blocks where KV is not needed).
+        junction_tokens: when > 0, full attention matched this far although the hit is
+            shorter (a shared prefix whose window tail is not retained).
+    """
+
+    req_id: ReqId
+    num_tokens: int
+    blocks: tuple[tuple[Block, ...], ...]
+    junction_tokens: int
+    epoch: int
+
+    @property
+    def block_ids(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(b.block_id for b in table) for table in self.blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """What one ``allocate_slots`` call granted.
+
+    ``num_computed_tokens`` tokens (hit included) precede the ``num_new_tokens`` new ones;
+    ``new_block_ids`` lists, per group, the blocks appended to the table by this call.
+    """
+
+    num_computed_tokens: int
+    num_new_tokens: int
+    num_hit_tokens: int
+    new_block_ids: tuple[tuple[int, ...], ...]
+
+
+@dataclass(slots=True)
+class _RequestState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_hashes: list[BlockHash]
+    extra_keys: ExtraKeys | None
+    num_computed_tokens: int = 0
+    is_running: bool = False
+    num_admissions: int = 0
+    junction_tokens: int = 0
+    hit_tokens_by_admission: list[int] = field(default_factory=list)
+
+
+class KVCacheManager:
+    """Paged KV-cache manager with prefix caching for hybrid models.
+
+    Args:
+        config: the cache configuration (groups, pool size, hashing, EAGLE).
+        retention: a ``RetentionPolicy`` or its name (default ``"latest"``).
+
+    Invariants (``check_invariants``): the pool's invariants with holders taken from every
+    group's block tables; a request holds blocks ⇔ it is running; each running request's
+    tables cover at least its computed tokens.
+    """
+
+    def __init__(self, config: CacheConfig, retention: RetentionPolicy | str = "latest") -> None:
+        policy = make_retention_policy(retention) if isinstance(retention, str) else retention
+        if not config.enable_caching:
+            policy = PrependPolicy()  # nothing is hashed: every freed block is scratch
+        self.config = config
+        self.retention = policy
+        self.pool = BlockPool(config.num_blocks, len(config.groups))
+        self.coordinator = HybridCoordinator(config, self.pool, policy)
+        self.hasher = BlockHasher(config.hash_block_size, config.hash_algo)
+        self.stats = PrefixCacheStats(
+            hit_blocks_by_group=[0] * len(config.groups),
+            evicted_blocks_by_group=self.pool.num_evicted_blocks,
+        )
+        self._requests: dict[ReqId, _RequestState] = {}
+        self.manager_seconds = 0.0
+        """Wall time spent inside lookup/allocate/free/step (hashing excluded)."""
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, req_id: ReqId, prompt_token_ids: Sequence[int], *,
+                    extra_keys: ExtraKeys | None = None) -> None:
+        """Track a request and hash its prompt."""
+        if req_id in self._requests:
+            raise DuplicateRequestError(req_id)
+        if len(prompt_token_ids) == 0:
+            raise ConfigError("prompt_token_ids", [], "a request needs at least one token")
+        tokens = list(prompt_token_ids)
+        hashes = self.hasher.hash_blocks(tokens, extra_keys=extra_keys) \
+            if self.config.enable_caching else []
+        self._requests[req_id] = _RequestState(tokens, len(tokens), hashes, extra_keys)
+
+    def append_token_ids(self, req_id: ReqId, token_ids: Sequence[int]) -> None:
+        """Append generated tokens; blocks they complete become hashable."""
+        state = self._state(req_id, "append_token_ids")
+        tokens = state.token_ids
+        tokens.extend(token_ids)
+        if not self.config.enable_caching:
+            return
+        hb = self.hasher.block_size
+        num_hashed = len(state.block_hashes)
+        if len(tokens) // hb > num_hashed:
+            parent = state.block_hashes[-1] if num_hashed else None
+            state.block_hashes.extend(self.hasher.hash_blocks(
+                tokens[num_hashed * hb :], parent=parent, first_block_idx=num_hashed,
+                extra_keys=state.extra_keys,
+            ))
+
+    def remove_request(self, req_id: ReqId) -> None:
+        """Forget a request, freeing its blocks if it still holds any."""
+        state = self._state(req_id, "remove_request")
+        if state.is_running:
+            self.free(req_id)
+        del self._requests[req_id]
+
+    # ---------------------------------------------------------------- lookup
+    def find_longest_hit(self, req_id: ReqId, max_num_tokens: int | None = None) -> PrefixHit:
+        """Longest prefix hit for a request about to be admitted. Does not modify the cache.
+
+        ``max_num_tokens`` defaults to ``num_tokens - 1``: the last token is always computed.
+        """
+        started = time.perf_counter()
+        state = self._state(req_id, "find_longest_hit")
+        if state.is_running:
+            raise RequestError(f"request_id={req_id!r} is running; prefix hits apply only "
+                               "at admission (free() it first to re-admit)")
+        num_groups = len(self.config.groups)
+        limit = len(state.token_ids) - 1 if max_num_tokens is None else max_num_tokens
+        limit = min(limit, len(state.token_ids) - 1)
+        if not self.config.enable_caching or limit <= 0:
+            hit = PrefixHit(req_id, 0, ((),) * num_groups, 0, self.pool.epoch)
+        else:
+            tables, num_tokens, extra = self.coordinator.find_longest_hit(
+                state.block_hashes, limit)
+            junction = num_tokens + extra if extra else 0
+            hit = PrefixHit(req_id, num_tokens, tuple(tuple(t) for t in tables), junction,
+                            self.pool.epoch)
+        self.manager_seconds += time.perf_counter() - started
+        return hit
+
+    # ------------------------------------------------------------ allocation
+    def allocate_slots(self, req_id: ReqId, num_new_tokens: int, hit: PrefixHit | None = None,
+                       *, num_lookahead_tokens: int = 0, reserve_full_prompt: bool = False,
+                       ) -> Allocation | None:
+        """Allocate slots for ``num_new_tokens`` tokens (plus lookahead), with the hit blocks
+        when admitting. Returns ``None`` — changing nothing but window releases — when the
+        pool cannot provide them.
+
+        Args:
+            hit: the ``PrefixHit`` of this admission (from ``find_longest_hit`` right before).
+            num_lookahead_tokens: extra slots for speculative tokens (not cached).
+            reserve_full_prompt: admission gate: refuse unless the free blocks cover every
+                block the whole request still needs (window groups capped at their
+                working set).
+        """
+        started = time.perf_counter()
+        try:
+            return self._allocate(req_id, num_new_tokens, hit, num_lookahead_tokens,
+                                  reserve_full_prompt)
+        finally:
+            self.manager_seconds += time.perf_counter() - started
+
+    def _allocate(self, req_id: ReqId, num_new_tokens: int, hit: PrefixHit | None,
+                  num_lookahead_tokens: int, reserve_full_prompt: bool) -> Allocation | None:
+        state = self._state(req_id, "allocate_slots")
+        admitting = not state.is_running
+        hit_tables: Sequence[Sequence[Block]] = [()] * len(self.config.groups)
+        num_hit = 0
+        if hit is not None and (hit.num_tokens or any(hit.blocks)):
+            if not admitting or hit.req_id != req_id:
+                raise RequestError(f"request_id={req_id!r}: a PrefixHit applies only to the "
+                                   "admission of the request it was looked up for")
+            if hit.epoch != self.pool.epoch:
+                raise StaleHitError(req_id, hit.epoch, self.pool.epoch)
+            hit_tables, num_hit = hit.blocks, hit.num_tokens
+        num_computed = state.num_computed_tokens + num_hit
+        num_tokens = len(state.token_ids)
+        if num_new_tokens <= 0 or num_computed + num_new_tokens > num_tokens:
+            raise ConfigError(
+                "num_new_tokens", num_new_tokens,
+                f"must be in [1, {num_tokens - num_computed}] (request has {num_tokens} "
+                f"tokens, {num_computed} computed)",
+            )
+        coordinator = self.coordinator
+        free_blocks = self.pool.num_free_blocks
+        if admitting and reserve_full_prompt:
+            need = coordinator.num_blocks_to_allocate(
+                req_id, self._cap_len(num_tokens), hit_tables, num_computed,
+                apply_admission_cap=True)
+            if need > free_blocks:
+                return None
+        num_slots = self._cap_len(num_computed + num_new_tokens + num_lookahead_tokens)
+        if not admitting:
+            coordinator.remove_skipped_blocks(req_id, num_computed)
+        need = coordinator.num_blocks_to_allocate(
+            req_id, num_slots, hit_tables, num_computed, apply_admission_cap=False)
+        if need > self.pool.num_free_blocks:
+            return None
+        if admitting:
+            coordinator.add_hit_blocks(req_id, hit_tables, num_hit)
+            self._record_admission(state, num_hit, hit_tables, hit)
+        new_blocks = coordinator.allocate_new_blocks(req_id, num_slots)
+        state.num_computed_tokens = num_computed + num_new_tokens
+        if self.config.enable_caching:
+            coordinator.cache_blocks(req_id, state.block_hashes, state.num_computed_tokens,
+                                     state.num_prompt_tokens, state.junction_tokens)
+        return Allocation(num_computed, num_new_tokens, num_hit,
+                          tuple(tuple(b.block_id for b in blocks) for blocks in new_blocks))
+
+    def _record_admission(self, state: _RequestState, num_hit: int,
+                          hit_tables: Sequence[Sequence[Block]], hit: PrefixHit | None) -> None:
+        self.stats.record(len(state.token_ids), num_hit, preempted=state.num_admissions > 0)
+        for group_id, table in enumerate(hit_tables):
+            self.stats.hit_blocks_by_group[group_id] += sum(1 for b in table if not b.is_null)
+        state.num_admissions += 1
+        state.is_running = True
+        state.junction_tokens = hit.junction_tokens if hit is not None else 0
+        state.hit_tokens_by_admission.append(num_hit)
+
+    def _cap_len(self, num_tokens: int) -> int:
+        max_len = self.config.max_model_len
+        return num_tokens if max_len is None else min(num_tokens, max_len)
+
+    def free(self, req_id: ReqId) -> None:
+        """Release all blocks of a request (finish or preemption); it may be admitted again,
+        recomputing from token 0 (or a new prefix hit)."""
+        started = time.perf_counter()
+        state = self._state(req_id, "free")
+        if not state.is_running:
+            raise DoubleFreeError(req_id)
+        self.coordinator.free(req_id)
+        state.is_running = False
+        state.num_computed_tokens = 0
+        state.junction_tokens = 0
+        self.manager_seconds += time.perf_counter() - started
+
+    def new_step(self) -> None:
+        """Per-step hook (no per-step state yet; Mamba checkpoints will need one)."""
+
+    # --------------------------------------------------------------- queries
+    def get_block_ids(self, req_id: ReqId) -> tuple[tuple[int, ...], ...]:
+        """Per group, the request's block table (0 = null block: KV not needed)."""
+        self._state(req_id, "get_block_ids")
+        return tuple(tuple(m.block_ids(req_id)) for m in self.coordinator.managers)
+
+    def num_computed_tokens(self, req_id: ReqId) -> int:
+        return self._state(req_id, "num_computed_tokens").num_computed_tokens
+
+    def num_tokens(self, req_id: ReqId) -> int:
+        return len(self._state(req_id, "num_tokens").token_ids)
+
+    def is_running(self, req_id: ReqId) -> bool:
+        return self._state(req_id, "is_running").is_running
+
+    def token_ids(self, req_id: ReqId) -> Sequence[int]:
+        return self._state(req_id, "token_ids").token_ids
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def request_ids(self) -> list[ReqId]:
+        return list(self._requests)
+
+    def _state(self, req_id: ReqId, action: str) -> _RequestState:
+        state = self._requests.get(req_id)
+        if state is None:
+            raise UnknownRequestError(req_id, action)
+        return state
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantViolation`` if any documented invariant is broken."""
+        self.pool.check_invariants(self.coordinator.holders())
+        for manager in self.coordinator.managers:
+            for req_id, table in manager.tables.items():
+                state = self._requests.get(req_id)
+                if state is None or not state.is_running:
+                    raise InvariantViolation(f"group {manager.group_id} holds a table for "
+                                             f"{req_id!r}, which is not running")
+                if manager.num_cached_blocks.get(req_id, 0) > len(table):
+                    raise InvariantViolation(f"{req_id!r}: more cached than held blocks")
+                if len(table) * manager.block_size < min(state.num_computed_tokens,
+                                                         self._cap_len(len(state.token_ids))):
+                    raise InvariantViolation(f"{req_id!r}: table shorter than computed tokens")
+        for req_id, state in self._requests.items():
+            if state.is_running and any(
+                req_id not in m.tables for m in self.coordinator.managers
+            ):
+                raise InvariantViolation(f"{req_id!r} is running without block tables")

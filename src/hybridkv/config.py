@@ -1,0 +1,147 @@
+"""CacheConfig: validated, frozen settings of one cache manager, and layer → group planning.
+
+Layers with identical specs are grouped into *cache groups* of equal layer count, the way
+vLLM plans hybrid models: one block is one page of one group and all groups share one pool.
+
+Worked example (``gemma3-bench``): 8 full-attention and 40 sliding-window layers. The group
+size is the smallest per-type layer count (8), because the largest (40) is at least 1.5x
+of it; so full attention forms 1 group and sliding window ``ceil(40 / 8) = 5`` groups.
+
+>>> from hybridkv.specs import SlidingWindowSpec
+>>> full = FullAttentionSpec(block_size=16, kv_bytes_per_token=1024)
+>>> swa = SlidingWindowSpec(block_size=16, kv_bytes_per_token=1024, sliding_window=1024)
+>>> groups = plan_cache_groups([full] * 8 + [swa] * 40)
+>>> [(g.spec.kind, len(g.layer_ids)) for g in groups]  # doctest: +NORMALIZE_WHITESPACE
+[('full_attention', 8), ('sliding_window', 8), ('sliding_window', 8), ('sliding_window', 8),
+ ('sliding_window', 8), ('sliding_window', 8)]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from hybridkv.errors import ConfigError
+from hybridkv.ids import GroupId
+from hybridkv.specs import FullAttentionSpec, LayerSpec
+
+HashAlgo = Literal["sha256", "xxhash"]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroup:
+    """Layers that share one block table; ``layer_ids`` may be shorter than the group size
+    for the last group of a type (vLLM pads it; the padding still costs memory)."""
+
+    group_id: GroupId
+    spec: LayerSpec
+    layer_ids: tuple[int, ...]
+
+
+def plan_cache_groups(layer_specs: Sequence[LayerSpec]) -> tuple[CacheGroup, ...]:
+    """Group layers into cache groups of equal layer count (full attention first)."""
+    if not layer_specs:
+        raise ConfigError("layer_specs", [], "a model needs at least one layer")
+    by_spec: dict[LayerSpec, list[int]] = {}
+    for layer_id, spec in enumerate(layer_specs):
+        by_spec.setdefault(spec, []).append(layer_id)
+    ordered = sorted(by_spec.items(), key=lambda item: not isinstance(item[0], FullAttentionSpec))
+    if len(ordered) == 1:
+        spec, layer_ids = ordered[0]
+        return (CacheGroup(GroupId(0), spec, tuple(layer_ids)),)
+    counts = [len(layer_ids) for _, layer_ids in ordered]
+    smallest, largest = min(counts), max(counts)
+    group_size = largest if largest < smallest * 1.5 else smallest
+    groups: list[CacheGroup] = []
+    for spec, layer_ids in ordered:
+        for start in range(0, len(layer_ids), group_size):
+            chunk = tuple(layer_ids[start : start + group_size])
+            groups.append(CacheGroup(GroupId(len(groups)), spec, chunk))
+    return tuple(groups)
+
+
+def group_size_of(groups: Sequence[CacheGroup]) -> int:
+    """Layers per group (the largest group; shorter ones are padded)."""
+    return max(len(g.layer_ids) for g in groups)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Everything a ``KVCacheManager`` needs except the retention policy.
+
+    Attributes:
+        groups: cache groups, from ``plan_cache_groups``.
+        num_blocks: pool size *including* the reserved null block 0.
+        enable_caching: prefix caching on/off (off: every lookup misses, nothing is hashed).
+        hash_algo: ``"sha256"`` (collision resistant, default) or ``"xxhash"`` (128-bit, fast).
+        use_eagle: EAGLE/MTP drop mode: lookups match one extra block and drop it.
+        eagle_group_ids: the groups the drafter reads (``None``: every group). Groups with
+            an identical spec share the flag when any of them has it.
+        max_num_batched_tokens: tokens in flight per step; caps a window group's admission need.
+        max_model_len: longest sequence; ``None`` means unbounded.
+    """
+
+    groups: tuple[CacheGroup, ...]
+    num_blocks: int
+    enable_caching: bool = True
+    hash_algo: HashAlgo = "sha256"
+    use_eagle: bool = False
+    eagle_group_ids: tuple[int, ...] | None = None
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ConfigError("groups", (), "plan at least one cache group")
+        if not isinstance(self.num_blocks, int) or self.num_blocks < 2:
+            raise ConfigError(
+                "num_blocks", self.num_blocks,
+                "must be an integer >= 2 (block 0 is the reserved null block)",
+            )
+        if self.hash_algo not in ("sha256", "xxhash"):
+            raise ConfigError("hash_algo", self.hash_algo, "choose 'sha256' or 'xxhash'")
+        if self.eagle_group_ids is not None and any(
+            not 0 <= g < len(self.groups) for g in self.eagle_group_ids
+        ):
+            raise ConfigError("eagle_group_ids", self.eagle_group_ids,
+                              f"group ids must be in [0, {len(self.groups)})")
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError("max_num_batched_tokens", self.max_num_batched_tokens,
+                              "must be a positive number of tokens")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError("max_model_len", self.max_model_len, "must be positive or None")
+
+    @classmethod
+    def from_layers(cls, layer_specs: Sequence[LayerSpec], num_blocks: int,
+                    **options: object) -> CacheConfig:
+        """Plan groups from per-layer specs and build a config (options as in the fields)."""
+        return cls(plan_cache_groups(layer_specs), num_blocks, **options)  # type: ignore[arg-type]
+
+    @property
+    def alignment_tokens(self) -> int:
+        """Hit alignment ``S``: the lcm of the groups' block sizes.
+
+        >>> from hybridkv.specs import SlidingWindowSpec
+        >>> full = FullAttentionSpec(256, 1); swa = SlidingWindowSpec(64, 1, 128)
+        >>> CacheConfig.from_layers([full, swa], num_blocks=10).alignment_tokens
+        256
+        """
+        return math.lcm(*(g.spec.block_size for g in self.groups))
+
+    @property
+    def hash_block_size(self) -> int:
+        """Granularity of request block hashes: the gcd of the groups' block sizes."""
+        return math.gcd(*(g.spec.block_size for g in self.groups))
+
+    @property
+    def layers_per_group(self) -> int:
+        return group_size_of(self.groups)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block: the largest group page (smaller pages are padded to it)."""
+        return self.layers_per_group * max(
+            g.spec.block_size * g.spec.kv_bytes_per_token for g in self.groups
+        )

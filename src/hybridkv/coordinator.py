@@ -1,0 +1,232 @@
+"""Hybrid coordinator: the fixed-point longest-hit search across groups, lcm alignment.
+
+Groups with an identical spec form a *spec group*: one lookup probes all of them and a block
+position hits only if every member hits. Full attention goes first (its answer bounds every
+other group, and its answer for a shorter length is a prefix of its first answer).
+
+Worked example (bs 16; full, SWA w32 → 2 tail blocks, SWA w64 → 4; a 129-token prompt was
+cached, then SWA-a lost block 7 and SWA-b block 5). Calls, as (group, limit → answer):
+``(full, 128 → 128)``, ``(a, 128 → 112)``, ``(b, 112 → 80)``, ``(a, 80 → 80)``, ``(b, 80 → 80)``
+→ hit 80; full attention matched 128, so the shared-prefix junction is 128.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hybridkv.block import Block
+from hybridkv.config import CacheConfig
+from hybridkv.errors import ConfigError
+from hybridkv.ids import BlockHash, GroupId, ReqId
+from hybridkv.managers import MANAGER_FOR_SPEC, GroupManager, coarse_hashes
+from hybridkv.managers.chunked import ChunkedLocalManager
+from hybridkv.policies import RetentionPolicy
+from hybridkv.pool import BlockPool
+from hybridkv.specs import LayerSpec
+
+
+@dataclass(frozen=True, slots=True)
+class SpecGroup:
+    """Cache groups sharing one spec, looked up together."""
+
+    spec: LayerSpec
+    group_ids: tuple[GroupId, ...]
+    manager_cls: type[GroupManager]
+
+
+def replay_boundaries(num_prompt_tokens: int, alignment_tokens: int, use_eagle: bool,
+                      ) -> tuple[int, ...]:
+    """Positions an identical resend (or an extension) of the prompt can hit at.
+
+    Without EAGLE a resend is capped at ``num_prompt_tokens - 1`` (masks floor it to ``A``).
+    With the EAGLE drop the hit lands one aligned unit lower:
+
+    >>> replay_boundaries(128, 32, use_eagle=False)
+    (127,)
+    >>> replay_boundaries(128, 32, use_eagle=True), replay_boundaries(127, 32, use_eagle=True)
+    ((64, 96), (64,))
+    """
+    if not use_eagle:
+        return (num_prompt_tokens - 1,)
+    a = alignment_tokens
+    resend = ((num_prompt_tokens - 1) // a) * a
+    extension = (num_prompt_tokens // a) * a
+    return tuple(sorted({max(resend - a, 0), max(extension - a, 0)}))
+
+
+class HybridCoordinator:
+    """Owns one ``GroupManager`` per cache group over one shared ``BlockPool``."""
+
+    def __init__(self, config: CacheConfig, pool: BlockPool, retention: RetentionPolicy) -> None:
+        self.config = config
+        self.pool = pool
+        self.retention = retention
+        self.alignment_tokens = config.alignment_tokens
+        self.hash_block_size = config.hash_block_size
+        self.use_eagle = config.use_eagle
+        self.managers: list[GroupManager] = []
+        eagle_ids = _eagle_group_ids(config)
+        for group in config.groups:
+            manager_cls = MANAGER_FOR_SPEC[type(group.spec)]
+            if manager_cls is ChunkedLocalManager:
+                _validate_chunked(group.spec, self.alignment_tokens, config.use_eagle)
+            self.managers.append(manager_cls(
+                group, pool, retention, alignment_tokens=self.alignment_tokens,
+                use_eagle=False,
+            ))
+        self.spec_groups = self._make_spec_groups()
+        for sg in self.spec_groups:  # siblings sharing a spec share the EAGLE flag
+            sg_eagle = any(g in eagle_ids for g in sg.group_ids)
+            for gid in sg.group_ids:
+                self.managers[gid].use_eagle = sg_eagle
+        has_window = any(not m.is_full_attention for m in self.managers)
+        retention.validate(self.alignment_tokens, has_window)
+        self._caps = [
+            m.admission_cap_blocks(config.max_num_batched_tokens, config.max_model_len)
+            for m in self.managers
+        ]
+
+    def _make_spec_groups(self) -> list[SpecGroup]:
+        by_spec: dict[LayerSpec, list[GroupId]] = {}
+        for manager in self.managers:
+            by_spec.setdefault(manager.spec, []).append(manager.group_id)
+        groups = [SpecGroup(spec, tuple(ids), MANAGER_FOR_SPEC[type(spec)])
+                  for spec, ids in by_spec.items()]
+        groups.sort(key=lambda sg: not sg.manager_cls.is_full_attention)
+        return groups
+
+    # ------------------------------------------------------------------ lookup
+    def find_longest_hit(self, hashes: Sequence[BlockHash], max_num_tokens: int,
+                         ) -> tuple[list[list[Block]], int, int]:
+        """Longest hit every group can serve. Does not modify anything.
+
+        Returns per-group hit tables, the hit length, and the tokens by which the longest
+        single-group answer exceeded it (``> 0`` marks a shared-prefix junction).
+        """
+        hb = self.hash_block_size
+        align = self.alignment_tokens
+        num_groups = len(self.managers)
+        tables: list[list[Block]] = [[] for _ in range(num_groups)]
+        answers: dict[int, int] = {}
+        views = [coarse_hashes(hashes, sg.spec.block_size // hb) for sg in self.spec_groups]
+        simple = len(self.spec_groups) == 2 and self.spec_groups[0].manager_cls.is_full_attention
+        hit = max_num_tokens
+        longest = 0
+        verified: set[int] = set()
+        while True:
+            cur = hit
+            for idx, sg in enumerate(self.spec_groups):
+                if sg.manager_cls.is_full_attention and idx in answers:
+                    cur = min(cur, answers[idx])
+                    continue
+                drop = self.managers[sg.group_ids[0]].use_eagle and idx not in verified
+                limit = min(cur + sg.spec.block_size, len(hashes) * hb) if drop else cur
+                found, num_tokens = sg.manager_cls.find_longest_hit(
+                    self.pool, sg.group_ids, sg.spec, views[idx], limit,
+                    drop_eagle_block=drop, alignment_tokens=align,
+                )
+                if drop:
+                    verified.add(idx)
+                elif num_tokens < cur:
+                    verified.clear()
+                cur = num_tokens
+                answers[idx] = num_tokens
+                for gid, table in zip(sg.group_ids, found, strict=True):
+                    tables[gid] = table
+                longest = max(longest, cur)
+            if cur >= hit:
+                break
+            hit = cur
+            if simple:
+                break
+        for sg in self.spec_groups:
+            if sg.manager_cls.is_full_attention:
+                keep = -(-hit // sg.spec.block_size)
+                for gid in sg.group_ids:
+                    del tables[gid][keep:]
+        return tables, hit, longest - hit
+
+    # -------------------------------------------------------------- allocation
+    def num_blocks_to_allocate(self, req_id: ReqId, num_tokens: int,
+                               hit_tables: Sequence[Sequence[Block]], num_computed_tokens: int,
+                               *, apply_admission_cap: bool) -> int:
+        total = 0
+        for manager, hit_blocks, cap in zip(self.managers, hit_tables, self._caps, strict=True):
+            total += manager.num_blocks_to_allocate(
+                req_id, num_tokens, hit_blocks, num_computed_tokens,
+                cap if apply_admission_cap else None,
+            )
+        return total
+
+    def add_hit_blocks(self, req_id: ReqId, hit_tables: Sequence[Sequence[Block]],
+                       num_hit_tokens: int) -> None:
+        """Touch every group's hit blocks before any group allocates (no double hand-out)."""
+        for manager, hit_blocks in zip(self.managers, hit_tables, strict=True):
+            manager.add_hit_blocks(req_id, hit_blocks, num_hit_tokens)
+
+    def allocate_new_blocks(self, req_id: ReqId, num_tokens: int) -> list[list[Block]]:
+        return [m.allocate_new_blocks(req_id, num_tokens) for m in self.managers]
+
+    def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:
+        for manager in self.managers:
+            manager.remove_skipped_blocks(req_id, num_computed_tokens)
+
+    def cache_blocks(self, req_id: ReqId, hashes: Sequence[BlockHash], num_tokens: int,
+                     num_prompt_tokens: int, junction_tokens: int) -> None:
+        """Hash newly full blocks of every group, as the retention policy allows."""
+        align = self.alignment_tokens
+        replay: tuple[int, ...] = ()
+        if self.retention.uses_boundaries:
+            replay = replay_boundaries(num_prompt_tokens, align, self.use_eagle)
+        aligned = (num_tokens // align) * align
+        for manager in self.managers:
+            cacheable = num_tokens
+            if self.retention.clamps_to_alignment:
+                cacheable = aligned
+                if manager.use_eagle and aligned > 0:
+                    cacheable = min(num_tokens, aligned + manager.block_size)
+            boundaries = replay
+            if junction_tokens and self.retention.uses_boundaries:
+                boundaries = (*replay, junction_tokens)
+                if manager.use_eagle:
+                    boundaries = (*boundaries, junction_tokens - manager.block_size)
+            manager.cache_blocks(req_id, hashes, self.hash_block_size, cacheable, boundaries)
+
+    def free(self, req_id: ReqId) -> None:
+        for manager in self.managers:
+            manager.free(req_id)
+
+    def holders(self) -> dict[int, int]:
+        """Block id → number of block tables holding it (null excluded)."""
+        counts: dict[int, int] = {}
+        for manager in self.managers:
+            for table in manager.tables.values():
+                for block in table:
+                    if not block.is_null:
+                        counts[block.block_id] = counts.get(block.block_id, 0) + 1
+        return counts
+
+
+def _eagle_group_ids(config: CacheConfig) -> set[int]:
+    if not config.use_eagle:
+        return set()
+    if config.eagle_group_ids is None:
+        return set(range(len(config.groups)))
+    return set(config.eagle_group_ids)
+
+
+def _validate_chunked(spec: LayerSpec, alignment_tokens: int, use_eagle: bool) -> None:
+    if spec.block_size != alignment_tokens:
+        raise ConfigError(
+            "block_size", spec.block_size,
+            f"a chunked-local group needs block_size equal to the hit alignment "
+            f"{alignment_tokens}; give every group the same block size",
+        )
+    chunk = getattr(spec, "attention_chunk_size", 0)
+    if chunk % spec.block_size:
+        raise ConfigError("attention_chunk_size", chunk,
+                          f"must be a multiple of block_size={spec.block_size}")
+    if use_eagle:
+        raise ConfigError("use_eagle", True,
+                          "EAGLE drop mode is not supported with chunked-local groups")

@@ -1,0 +1,189 @@
+"""GroupManager: per-cache-group block tables, caching and release; two hooks per subclass.
+
+Block table of a request, index ``i`` covering tokens ``[i * bs, (i + 1) * bs)``::
+
+    | null … null | tail blocks still in the window | blocks being filled |
+    [0, skipped)   [skipped, num_cached_blocks)       [num_cached_blocks, len(table))
+
+Subclasses implement ``find_longest_hit`` (a classmethod: lookups never modify anything) and
+``admission_cap_blocks``; what a layer releases early comes from its spec.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+from hybridkv.block import Block
+from hybridkv.config import CacheGroup
+from hybridkv.ids import BlockHash, GroupId, ReqId
+from hybridkv.policies import RetentionPolicy
+from hybridkv.pool import BlockPool
+from hybridkv.specs import LayerSpec
+
+
+def coarse_hashes(hashes: Sequence[BlockHash], ratio: int) -> Sequence[BlockHash]:
+    """View hashes of ``hb``-token blocks as hashes of ``ratio * hb``-token blocks.
+
+    The last fine hash inside a coarse block already chains the whole prefix.
+
+    >>> coarse_hashes([b"a", b"b", b"c", b"d", b"e"], 2)
+    [b'b', b'd']
+    """
+    if ratio == 1:
+        return hashes
+    return hashes[ratio - 1 :: ratio][: len(hashes) // ratio]
+
+
+class GroupManager(ABC):
+    """Block tables of one cache group.
+
+    Invariants:
+        - ``num_cached_blocks[req] <= len(tables[req])`` and only grows while the request runs;
+        - every non-null block in a table holds one reference from that table.
+    """
+
+    is_full_attention: ClassVar[bool] = False
+
+    def __init__(self, group: CacheGroup, pool: BlockPool, retention: RetentionPolicy,
+                 *, alignment_tokens: int, use_eagle: bool) -> None:
+        self.group = group
+        self.group_id: GroupId = group.group_id
+        self.spec: LayerSpec = group.spec
+        self.block_size = group.spec.block_size
+        self.pool = pool
+        self.retention = retention
+        self.alignment_tokens = alignment_tokens
+        self.use_eagle = use_eagle
+        self.tables: dict[ReqId, list[Block]] = {}
+        self.num_cached_blocks: dict[ReqId, int] = {}
+
+    # ------------------------------------------------------------------ hooks
+    @classmethod
+    @abstractmethod
+    def find_longest_hit(cls, pool: BlockPool, group_ids: Sequence[GroupId], spec: LayerSpec,
+                         hashes: Sequence[BlockHash], max_num_tokens: int, *,
+                         drop_eagle_block: bool, alignment_tokens: int,
+                         ) -> tuple[list[list[Block]], int]:
+        """Longest hit of ``≤ max_num_tokens`` tokens for the groups sharing ``spec``.
+
+        ``hashes`` are at this spec's block size. Returns one table per group id and the hit
+        length in tokens. Does not modify the pool.
+        """
+
+    def admission_cap_blocks(self, max_num_batched_tokens: int, max_model_len: int | None,
+                             ) -> int | None:
+        """Most blocks a request can hold at once in this group, ``None`` if unbounded."""
+        del max_num_batched_tokens, max_model_len
+        return None
+
+    def cache_mask(self, start: int, end: int, boundaries: Sequence[int]) -> list[bool] | None:
+        """Which blocks of ``[start, end)`` to hash (``None``: all)."""
+        del start, end, boundaries
+        return None
+
+    # ------------------------------------------------------------ bookkeeping
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return self.spec.num_skipped_tokens(num_computed_tokens)
+
+    def num_blocks_to_allocate(self, req_id: ReqId, num_tokens: int, hit_blocks: Sequence[Block],
+                               num_computed_tokens: int, admission_cap: int | None) -> int:
+        """Free blocks needed to hold ``num_tokens`` slots (hit blocks sitting in a free
+        tier count, since touching them takes them out). Does not modify."""
+        num_required = -(-num_tokens // self.block_size)
+        if admission_cap is not None:
+            num_required = min(num_required, admission_cap)
+        table = self.tables.get(req_id)
+        if table is not None and req_id in self.num_cached_blocks:
+            return max(num_required - len(table), 0)
+        num_held = 0 if table is None else len(table)
+        num_skipped_blocks = self.num_skipped_tokens(num_computed_tokens) // self.block_size
+        num_local = len(hit_blocks) + num_held
+        num_new = max(num_required - max(num_skipped_blocks, num_local), 0)
+        first_used = max(0, num_skipped_blocks - num_held)
+        num_evictable = sum(
+            1 for b in hit_blocks[first_used:] if b.ref_count == 0 and not b.is_null
+        )
+        return num_new + num_evictable
+
+    def add_hit_blocks(self, req_id: ReqId, hit_blocks: Sequence[Block], num_hit_tokens: int,
+                       ) -> None:
+        """Start a table from a prefix hit: touch what is still in the window."""
+        num_skipped = min(self.num_skipped_tokens(num_hit_tokens) // self.block_size,
+                          len(hit_blocks))
+        kept = hit_blocks[num_skipped:]
+        self.pool.touch(kept)
+        table = [self.pool.null_block] * num_skipped
+        table.extend(kept)
+        self.tables[req_id] = table
+        self.num_cached_blocks[req_id] = len(table)
+
+    def allocate_new_blocks(self, req_id: ReqId, num_tokens: int) -> list[Block]:
+        """Append blocks so the table covers ``num_tokens`` slots; returns the new blocks."""
+        table = self.tables.setdefault(req_id, [])
+        self.num_cached_blocks.setdefault(req_id, 0)
+        num_new = -(-num_tokens // self.block_size) - len(table)
+        if num_new <= 0:
+            return []
+        new_blocks = self.pool.allocate(num_new)
+        table.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, req_id: ReqId, hashes: Sequence[BlockHash], hash_block_size: int,
+                     num_tokens: int, boundaries: Sequence[int]) -> None:
+        """Hash the full blocks covering the first ``num_tokens`` computed tokens.
+
+        ``hashes`` are the request's hashes at ``hash_block_size`` granularity.
+        """
+        num_cached = self.num_cached_blocks.get(req_id, 0)
+        bs = self.block_size
+        num_full = min(num_tokens, len(hashes) * hash_block_size) // bs
+        if num_cached >= num_full:
+            return
+        table = self.tables[req_id]
+        ratio = bs // hash_block_size
+        mask = self.cache_mask(num_cached, num_full, boundaries)
+        pool, group_id = self.pool, self.group_id
+        for i in range(num_cached, num_full):
+            block = table[i]
+            if block.is_null or block.block_hash is not None:
+                continue
+            if mask is not None and not mask[i - num_cached]:
+                continue
+            pool.cache_block(block, hashes[(i + 1) * ratio - 1], group_id)
+        self.num_cached_blocks[req_id] = num_full
+
+    def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:
+        """Release blocks that left the window; their table slots become the null block."""
+        num_skipped = self.num_skipped_tokens(num_computed_tokens)
+        if num_skipped <= 0:
+            return
+        table = self.tables.get(req_id)
+        if not table:
+            return
+        null = self.pool.null_block
+        released: list[Block] = []
+        ends: dict[int, int] = {}
+        for i in range(min(num_skipped // self.block_size, len(table)) - 1, -1, -1):
+            block = table[i]
+            if block is null:
+                break
+            released.append(block)
+            ends[block.block_id] = (i + 1) * self.block_size
+            table[i] = null
+        if released:
+            policy = self.retention
+            self.pool.free_blocks(
+                released, lambda b: policy.drop_tier(b, ends[b.block_id], num_skipped)
+            )
+
+    def free(self, req_id: ReqId) -> None:
+        """Release the request's blocks, tail first (the chain end is evicted first)."""
+        table = self.tables.pop(req_id, None)
+        self.num_cached_blocks.pop(req_id, None)
+        if table:
+            self.pool.free_blocks(reversed(table), self.retention.free_tier)
+
+    def block_ids(self, req_id: ReqId) -> list[int]:
+        return [b.block_id for b in self.tables.get(req_id, ())]

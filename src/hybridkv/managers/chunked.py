@@ -1,0 +1,48 @@
+"""Chunked-local attention (Llama 4): a token reads only its own chunk of ``c`` tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridkv.block import Block
+from hybridkv.ids import BlockHash, GroupId
+from hybridkv.managers.base import GroupManager
+from hybridkv.pool import BlockPool
+from hybridkv.specs import ChunkedLocalSpec, LayerSpec
+
+
+class ChunkedLocalManager(GroupManager):
+    """Blocks of completed chunks are released; a hit needs only the current chunk's blocks."""
+
+    def admission_cap_blocks(self, max_num_batched_tokens: int, max_model_len: int | None,
+                             ) -> int | None:
+        assert isinstance(self.spec, ChunkedLocalSpec)
+        span = self.spec.attention_chunk_size + max_num_batched_tokens
+        if max_model_len is not None:
+            span = min(span, max_model_len)
+        return -(-span // self.block_size)
+
+    @classmethod
+    def find_longest_hit(cls, pool: BlockPool, group_ids: Sequence[GroupId], spec: LayerSpec,
+                         hashes: Sequence[BlockHash], max_num_tokens: int, *,
+                         drop_eagle_block: bool, alignment_tokens: int,
+                         ) -> tuple[list[list[Block]], int]:
+        """Worked example (chunk 8, bs 4): max 15 → blocks 0–1 are past chunks (null), then
+        block 2 if cached → hit 12 (8 when block 2 is not cached); max 16 → 4 nulls, hit 16."""
+        assert isinstance(spec, ChunkedLocalSpec)
+        del drop_eagle_block, alignment_tokens  # validated at construction: bs == A, no EAGLE
+        bs = spec.block_size
+        chunk = spec.attention_chunk_size
+        first_block = ((max_num_tokens // chunk) * chunk) // bs
+        num_blocks = min(max_num_tokens // bs, len(hashes))
+        null = pool.null_block
+        tables: list[list[Block]] = [[null] * first_block for _ in group_ids]
+        lookup = pool.get_cached_block
+        for i in range(first_block, num_blocks):
+            hits = [lookup(hashes[i], g) for g in group_ids]
+            if None in hits:
+                break
+            for table, block in zip(tables, hits, strict=True):
+                assert block is not None
+                table.append(block)
+        return tables, len(tables[0]) * bs

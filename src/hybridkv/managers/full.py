@@ -1,0 +1,44 @@
+"""Full attention: a hit needs every block of the prefix; nothing is released early."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+from hybridkv.block import Block
+from hybridkv.ids import BlockHash, GroupId
+from hybridkv.managers.base import GroupManager
+from hybridkv.pool import BlockPool
+from hybridkv.specs import LayerSpec
+
+
+class FullAttentionManager(GroupManager):
+    """Longest hit scanning left to right; chained hashes make everything after a miss miss."""
+
+    is_full_attention: ClassVar[bool] = True
+
+    @classmethod
+    def find_longest_hit(cls, pool: BlockPool, group_ids: Sequence[GroupId], spec: LayerSpec,
+                         hashes: Sequence[BlockHash], max_num_tokens: int, *,
+                         drop_eagle_block: bool, alignment_tokens: int,
+                         ) -> tuple[list[list[Block]], int]:
+        """Worked example: bs 16, 3 cached blocks, ``max_num_tokens`` 55 → 48 tokens;
+        with the EAGLE drop → 32 (the last matched block is recomputed)."""
+        bs = spec.block_size
+        tables: list[list[Block]] = [[] for _ in group_ids]
+        max_blocks = min(max_num_tokens // bs, len(hashes))
+        lookup = pool.get_cached_block
+        for i in range(max_blocks):
+            block_hash = hashes[i]
+            found = [lookup(block_hash, g) for g in group_ids]
+            if None in found:
+                break
+            for table, block in zip(tables, found, strict=True):
+                assert block is not None
+                table.append(block)
+        num_hit_tokens = len(tables[0]) * bs
+        if drop_eagle_block and num_hit_tokens > 0:
+            num_hit_tokens -= min(alignment_tokens, bs)
+        num_hit_tokens -= num_hit_tokens % alignment_tokens
+        keep = -(-num_hit_tokens // bs)
+        return [table[:keep] for table in tables], num_hit_tokens

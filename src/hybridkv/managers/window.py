@@ -1,0 +1,94 @@
+"""Sliding window: a hit at ``p`` needs only the ``ceil((w - 1) / bs)`` blocks ending at ``p``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridkv.block import Block
+from hybridkv.ids import BlockHash, GroupId
+from hybridkv.managers.base import GroupManager
+from hybridkv.pool import BlockPool
+from hybridkv.specs import LayerSpec, SlidingWindowSpec
+
+
+class SlidingWindowManager(GroupManager):
+    """Right-to-left search for the rightmost run of contiguous cached blocks ending on an
+    aligned boundary; blocks that slide out of the window are released immediately."""
+
+    @property
+    def window_spec(self) -> SlidingWindowSpec:
+        assert isinstance(self.spec, SlidingWindowSpec)
+        return self.spec
+
+    def num_tail_blocks(self) -> int:
+        """Tail blocks a hit needs, plus EAGLE's peek block."""
+        return self.window_spec.num_tail_blocks + (1 if self.use_eagle else 0)
+
+    def admission_cap_blocks(self, max_num_batched_tokens: int, max_model_len: int | None,
+                             ) -> int | None:
+        """``ceil(min(w - 1 + in_flight, max_len) / bs) + 1`` (the window may straddle)."""
+        span = self.window_spec.sliding_window - 1 + max_num_batched_tokens
+        if max_model_len is not None:
+            span = min(span, max_model_len)
+        return -(-span // self.block_size) + 1
+
+    def cache_mask(self, start: int, end: int, boundaries: Sequence[int]) -> list[bool] | None:
+        return self.retention.window_mask(
+            start, end, block_size=self.block_size, alignment_tokens=self.alignment_tokens,
+            num_tail_blocks=self.num_tail_blocks(), shift=1 if self.use_eagle else 0,
+            boundaries=boundaries,
+        )
+
+    @classmethod
+    def find_longest_hit(cls, pool: BlockPool, group_ids: Sequence[GroupId], spec: LayerSpec,
+                         hashes: Sequence[BlockHash], max_num_tokens: int, *,
+                         drop_eagle_block: bool, alignment_tokens: int,
+                         ) -> tuple[list[list[Block]], int]:
+        """Worked example (bs 8, w 8 → 1 tail block, ``A`` 32, cached blocks {3, 7}):
+        max 64 tokens → hit 64 (``[null × 7, b7]``); max 63 → block 6 is not cached and
+        block 3 ends on 32 → hit 32. A run that reaches block 0 is a hit even when shorter
+        than the window (the prefix itself is shorter than the window)."""
+        assert isinstance(spec, SlidingWindowSpec)
+        bs = spec.block_size
+        need = spec.num_tail_blocks + (1 if drop_eagle_block else 0)
+        num_blocks = min(max_num_tokens // bs, len(hashes))
+        null = pool.null_block
+        tables: list[list[Block]] = [[null] * num_blocks for _ in group_ids]
+        lookup = pool.get_cached_block
+        run = 0
+        found_run = False
+        for i in range(num_blocks - 1, -1, -1):
+            block_hash = hashes[i]
+            hits = [lookup(block_hash, g) for g in group_ids]
+            if None in hits:
+                run = 0
+                continue
+            if run == 0 and bs != alignment_tokens:
+                num_end_blocks = i if drop_eagle_block else i + 1
+                if (num_end_blocks * bs) % alignment_tokens:
+                    continue
+            for table, block in zip(tables, hits, strict=True):
+                assert block is not None
+                table[i] = block
+            run += 1
+            if run >= need:
+                del_from = i + run
+                for table in tables:
+                    del table[del_from:]
+                found_run = True
+                break
+        if not found_run:
+            for table in tables:
+                del table[run:]
+            _trim_to_alignment(tables, bs, alignment_tokens)
+        if drop_eagle_block and tables[0]:
+            for table in tables:
+                table.pop()
+            _trim_to_alignment(tables, bs, alignment_tokens)
+        return tables, len(tables[0]) * bs
+
+
+def _trim_to_alignment(tables: list[list[Block]], block_size: int, alignment_tokens: int) -> None:
+    while tables[0] and (len(tables[0]) * block_size) % alignment_tokens:
+        for table in tables:
+            table.pop()
