@@ -1,0 +1,1 @@
+"""Trace-driven simulation: traces, loaders, synthetic workloads, model shapes and replay."""
