@@ -114,7 +114,9 @@ class KVCacheManager:
         )
         self._requests: dict[ReqId, _RequestState] = {}
         self.manager_seconds = 0.0
-        """Wall time spent inside lookup/allocate/free/step (hashing excluded)."""
+        """Wall time spent inside lookup/allocate/free/step (prompt hashing excluded)."""
+        self.hash_seconds = 0.0
+        """Wall time spent hashing prompts in ``add_request`` (vLLM does it in its Request)."""
 
     # ------------------------------------------------------------ requests
     def add_request(self, req_id: ReqId, prompt_token_ids: Sequence[int], *,
@@ -124,9 +126,11 @@ class KVCacheManager:
             raise DuplicateRequestError(req_id)
         if len(prompt_token_ids) == 0:
             raise ConfigError("prompt_token_ids", [], "a request needs at least one token")
+        started = time.perf_counter()
         tokens = list(prompt_token_ids)
         hashes = self.hasher.hash_blocks(tokens, extra_keys=extra_keys) \
             if self.config.enable_caching else []
+        self.hash_seconds += time.perf_counter() - started
         self._requests[req_id] = _RequestState(tokens, len(tokens), hashes, extra_keys)
 
     def append_token_ids(self, req_id: ReqId, token_ids: Sequence[int]) -> None:

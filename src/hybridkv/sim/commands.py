@@ -1,0 +1,313 @@
+"""Implementations of ``hybridkv replay``, ``sweep`` and ``check-trace``.
+
+Argument parsing lives in ``hybridkv.cli``; this module resolves traces, workloads, models
+and pool sizes, runs the replays and renders the reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from hybridkv.config import CacheConfig
+from hybridkv.errors import ConfigError
+from hybridkv.policies import CORE_POLICIES, make_retention_policy
+from hybridkv.sim.ceiling import infinite_cache_ceiling
+from hybridkv.sim.loaders import load_trace
+from hybridkv.sim.model import ModelShape, load_model, num_blocks_for_memory, parse_size
+from hybridkv.sim.replay import ProgressFn, ReplaySettings, RunResult, replay
+from hybridkv.sim.report import PolicyRun, Report, plot_policies, plot_sweep, render_table
+from hybridkv.sim.trace import Trace
+from hybridkv.sim.workloads import WORKLOAD_DEFAULTS, make_workload, retention_microbench_scenarios
+
+DEFAULT_WORKLOAD = "agentic"
+DEFAULT_MODEL = "gemma3-bench"
+DEFAULT_KV_MEMORY = "40GiB"
+MICROBENCH = "retention-microbench"
+PROTOCOL_POOLS = {(MICROBENCH, "dsv4-bench"): 3_716, (MICROBENCH, "gemma3-bench"): 60_230}
+"""Pool sizes the replay protocol fixes for the retention microbenchmark."""
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """A resolved trace or workload: one trace, or scenarios keyed by fraction."""
+
+    name: str
+    workload: str | None
+    scenarios: dict[str, Trace]
+    protocol_defaults: dict[str, int]
+
+    @property
+    def is_multi_scenario(self) -> bool:
+        return self.workload == MICROBENCH
+
+
+def parse_policies(text: str) -> list[str]:
+    """``core`` or a comma-separated list, each validated by name."""
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise ConfigError("--policy", text, "name at least one policy, e.g. latest,prepend")
+    expanded: list[str] = []
+    for name in names:
+        if name == "core":
+            expanded.extend(CORE_POLICIES)
+        else:
+            make_retention_policy(name)  # unknown names fail here, before any replay
+            expanded.append(name)
+    return list(dict.fromkeys(expanded))
+
+
+def parse_params(items: Sequence[str]) -> dict[str, object]:
+    """``KEY=VALUE`` pairs; values parsed as int, then float, else kept as strings."""
+    params: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError("--set", item, "use KEY=VALUE, e.g. --set num_sessions=8")
+        parsed: object = value
+        for convert in (int, float):
+            try:
+                parsed = convert(value)
+                break
+            except ValueError:
+                continue
+        params[key.strip().replace("-", "_")] = parsed
+    return params
+
+
+def resolve_source(args: argparse.Namespace) -> Source:
+    params = parse_params(args.set)
+    if args.trace:
+        if params:
+            raise ConfigError("--set", args.set, "workload parameters need --workload, not --trace")
+        trace = load_trace(args.trace, limit=args.limit)
+        return Source(trace.name, None, {"": trace}, {})
+    name = args.workload or DEFAULT_WORKLOAD
+    defaults = dict(WORKLOAD_DEFAULTS.get(name, {}))
+    if name == MICROBENCH:
+        scenarios = retention_microbench_scenarios(**params)  # type: ignore[arg-type]
+    else:
+        scenarios = {"": make_workload(name, **params)}
+    if args.limit is not None:
+        scenarios = {k: Trace(t.name, t.requests[: args.limit]) for k, t in scenarios.items()}
+    return Source(name, name, scenarios, defaults)
+
+
+def resolve_settings(args: argparse.Namespace, source: Source) -> ReplaySettings:
+    defaults = source.protocol_defaults
+    max_running = args.max_running or defaults.get("max_running", 16)
+    chunk_size = args.chunk_size or defaults.get("chunk_size", 8192)
+    for field, value in (("--max-running", max_running), ("--chunk-size", chunk_size)):
+        if value <= 0:
+            raise ConfigError(field, value, "must be a positive integer")
+    return ReplaySettings(max_running=max_running, chunk_size=chunk_size,
+                          check_invariants=bool(getattr(args, "paranoid", False)))
+
+
+def resolve_pool(num_blocks: int | None, kv_memory: str | None, shape: ModelShape,
+                 source: Source) -> int:
+    if num_blocks is not None:
+        if num_blocks < 2:
+            raise ConfigError("--num-blocks", num_blocks, "must be >= 2 (block 0 is reserved)")
+        return num_blocks
+    if kv_memory is None:
+        protocol = PROTOCOL_POOLS.get((source.workload or "", shape.name))
+        if protocol is not None:
+            return protocol
+        kv_memory = DEFAULT_KV_MEMORY
+    return num_blocks_for_memory(shape, parse_size(kv_memory))
+
+
+def make_config(shape: ModelShape, num_blocks: int, args: argparse.Namespace,
+                settings: ReplaySettings) -> CacheConfig:
+    return shape.cache_config(num_blocks, hash_algo=args.hash_algo, use_eagle=args.eagle,
+                              max_num_batched_tokens=settings.chunk_size)
+
+
+@contextmanager
+def _progress(enabled: bool) -> Iterator[Progress | None]:
+    if not enabled:
+        yield None
+        return
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    with progress:
+        yield progress
+
+
+def run_policy(source: Source, config: CacheConfig, policy: str, settings: ReplaySettings,
+               progress: Progress | None) -> PolicyRun:
+    """Replay every scenario of ``source`` under ``policy``."""
+    fractions: dict[str, RunResult] = {}
+    total: RunResult | None = None
+    for key, trace in source.scenarios.items():
+        label = f"{policy} f={key}" if key else policy
+        callback: ProgressFn | None = None
+        if progress is not None:
+            task = progress.add_task(label, total=len(trace.requests))
+            callback = _throttled(progress, task)
+        result = replay(trace, config, policy, settings, callback)
+        if progress is not None:
+            progress.remove_task(task)
+        if source.is_multi_scenario:
+            fractions[key] = result
+            measured = _replay_phase_only(result)
+            total = measured if total is None else _merged(total, measured)
+        else:
+            total = result
+    assert total is not None
+    return PolicyRun(total, fractions)
+
+
+def _throttled(progress: Progress, task: object) -> ProgressFn:
+    def update(num_finished: int, num_requests: int) -> None:
+        progress.update(task, completed=num_finished)  # type: ignore[arg-type]
+        del num_requests
+
+    return update
+
+
+def _replay_phase_only(result: RunResult) -> RunResult:
+    """Run-level numbers of a microbenchmark scenario = its replay phase."""
+    phase = result.by_tag.get("replay")
+    copy = RunResult(result.policy, result.num_blocks, preemptions=result.preemptions,
+                     steps=result.steps, evicted_blocks=result.evicted_blocks,
+                     manager_seconds=result.manager_seconds, hash_seconds=result.hash_seconds,
+                     wall_seconds=result.wall_seconds, by_tag=dict(result.by_tag))
+    if phase is not None:
+        copy.requests, copy.prompt_tokens, copy.hit_tokens = (
+            phase.requests, phase.prompt_tokens, phase.hit_tokens)
+    return copy
+
+
+def _merged(a: RunResult, b: RunResult) -> RunResult:
+    merged = RunResult(a.policy, a.num_blocks)
+    merged.merge(a)
+    merged.merge(b)
+    return merged
+
+
+def source_ceiling(source: Source, alignment_tokens: int) -> float:
+    """Ceiling of the measured requests (the replay phase for the microbenchmark)."""
+    prompt = hits = 0
+    for trace in source.scenarios.values():
+        ceiling = infinite_cache_ceiling(trace, alignment_tokens)
+        if source.is_multi_scenario:
+            fill = [r for r in trace.requests if r.tag != "replay"]
+            fill_ceiling = infinite_cache_ceiling(Trace(trace.name, tuple(fill)),
+                                                  alignment_tokens)
+            prompt += ceiling.prompt_tokens - fill_ceiling.prompt_tokens
+            hits += ceiling.hit_tokens - fill_ceiling.hit_tokens
+        else:
+            prompt += ceiling.prompt_tokens
+            hits += ceiling.hit_tokens
+    return hits / prompt if prompt else 0.0
+
+
+def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console) -> int:
+    source = resolve_source(args)
+    shape = load_model(args.model or DEFAULT_MODEL)
+    settings = resolve_settings(args, source)
+    num_blocks = resolve_pool(args.num_blocks, args.kv_memory, shape, source)
+    config = make_config(shape, num_blocks, args, settings)
+    policies = parse_policies(args.policy)
+    for policy in policies:
+        make_retention_policy(policy).validate(config.alignment_tokens, True)
+    ceiling = source_ceiling(source, config.alignment_tokens)
+    runs: list[PolicyRun] = []
+    with _progress(not args.quiet) as progress:
+        for policy in policies:
+            runs.append(run_policy(source, config, policy, settings, progress))
+    report = Report(source.name, shape.name, ceiling, runs, {
+        "num_blocks": num_blocks, "max_running": settings.max_running,
+        "chunk_size": settings.chunk_size, "hash_algo": args.hash_algo, "eagle": args.eagle,
+    })
+    render_table(report, console)
+    if args.json:
+        report.write_json(args.json)
+    if args.plot:
+        plot_policies(report, args.plot)
+    del err_console
+    return 0
+
+
+def _parse_list(text: str, field: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ConfigError(field, text, "give a comma-separated list")
+    return items
+
+
+def cmd_sweep(args: argparse.Namespace, console: Console, err_console: Console) -> int:
+    source = resolve_source(args)
+    shape = load_model(args.model or DEFAULT_MODEL)
+    settings = resolve_settings(args, source)
+    if args.num_blocks:
+        pools = []
+        for item in _parse_list(args.num_blocks, "--num-blocks"):
+            try:
+                pools.append(resolve_pool(int(item), None, shape, source))
+            except ValueError:
+                raise ConfigError("--num-blocks", item, "must be an integer") from None
+    elif args.kv_memory:
+        pools = [resolve_pool(None, m, shape, source)
+                 for m in _parse_list(args.kv_memory, "--kv-memory")]
+    else:
+        raise ConfigError("--num-blocks", None, "a sweep needs --num-blocks or --kv-memory lists")
+    policies = parse_policies(args.policy)
+    rows: list[dict[str, object]] = []
+    ceiling = 0.0
+    with _progress(not args.quiet) as progress:
+        for num_blocks in pools:
+            config = make_config(shape, num_blocks, args, settings)
+            ceiling = source_ceiling(source, config.alignment_tokens)
+            for policy in policies:
+                result = run_policy(source, config, policy, settings, progress).result
+                rows.append({"policy": policy, "num_blocks": num_blocks,
+                             "hit_rate": round(result.hit_rate, 6),
+                             "hit_tokens": result.hit_tokens,
+                             "prompt_tokens": result.prompt_tokens,
+                             "preemptions": result.preemptions, "ceiling": round(ceiling, 6)})
+    with args.csv.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot_sweep(rows, ceiling, f"{source.name} on {shape.name}", args.plot)
+    console.print(f"wrote {args.csv} and {args.plot} ({len(rows)} runs)")
+    del err_console
+    return 0
+
+
+def cmd_check_trace(args: argparse.Namespace, console: Console, err_console: Console) -> int:
+    trace = load_trace(args.path, limit=args.limit)
+    shape = load_model(args.model or DEFAULT_MODEL)
+    alignment = shape.cache_config(2).alignment_tokens
+    lengths = [r.input_length for r in trace.requests]
+    if not lengths:
+        raise ConfigError("path", args.path, "the trace holds no requests")
+    sessions = {r.session_id for r in trace.requests if r.session_id is not None}
+    ceiling = infinite_cache_ceiling(trace, alignment)
+    quantiles = statistics.quantiles(lengths, n=100) if len(lengths) > 1 else [lengths[0]] * 99
+    console.print(f"trace        {trace.name}")
+    console.print(f"requests     {len(lengths):,}   sessions {len(sessions):,}")
+    console.print(f"input tokens total {sum(lengths):,}   mean {statistics.fmean(lengths):,.0f}"
+                  f"   p50 {quantiles[49]:,.0f}   p99 {quantiles[98]:,.0f}")
+    outputs = [r.output_length for r in trace.requests]
+    console.print(f"output tokens total {sum(outputs):,}   mean {statistics.fmean(outputs):,.1f}")
+    console.print(f"ceiling      {100 * ceiling.hit_rate:.2f}% (infinite cache, hits aligned to "
+                  f"{alignment} tokens of {shape.name})")
+    del err_console
+    return 0
+
+
+__all__: Sequence[str] = (
+    "DEFAULT_MODEL", "DEFAULT_WORKLOAD", "cmd_check_trace", "cmd_replay", "cmd_sweep",
+)
+

@@ -1,0 +1,187 @@
+"""Deterministic closed-loop replay of a trace through one cache manager per policy.
+
+``replay`` turns each ``TraceRequest`` into a scheduler request (prompt ids expanded lazily
+when the request is first admitted, so a 730 M-token trace never sits in memory at once),
+runs the shared ``Scheduler`` step by step, draws output tokens (predetermined ones, or
+unique ids from a global counter), and reports hit tokens at first admission.
+The result depends only on the inputs: no wall clock enters it except the timing fields.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import overload
+
+from hybridkv.cache import KVCacheManager
+from hybridkv.config import CacheConfig
+from hybridkv.sim.scheduler import SchedRequest, Scheduler
+from hybridkv.sim.trace import OUTPUT_TOKEN_BASE, Trace, TraceRequest, expand_prompt
+
+ProgressFn = Callable[[int, int], None]
+"""Called as ``progress(num_finished, num_requests)`` after each step."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaySettings:
+    """Protocol knobs (``docs/replay-protocol.md``)."""
+
+    max_running: int = 16
+    chunk_size: int = 8192
+    reserve_full_prompt: bool = True
+    lookahead_requests: int = 256
+    check_invariants: bool = False
+
+
+@dataclass(slots=True)
+class TagTotals:
+    """First-admission totals of the requests sharing one tag."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(slots=True)
+class RunResult:
+    """Outcome of one replay of one trace under one policy."""
+
+    policy: str
+    num_blocks: int
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    preemptions: int = 0
+    preempted_hit_tokens: int = 0
+    steps: int = 0
+    evicted_blocks: int = 0
+    manager_seconds: float = 0.0
+    hash_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    by_tag: dict[str, TagTotals] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def merge(self, other: RunResult) -> None:
+        """Accumulate another run's counters (used for multi-scenario workloads)."""
+        for name in ("requests", "prompt_tokens", "hit_tokens", "preemptions",
+                     "preempted_hit_tokens", "steps", "evicted_blocks"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("manager_seconds", "hash_seconds", "wall_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for tag, totals in other.by_tag.items():
+            mine = self.by_tag.setdefault(tag, TagTotals())
+            mine.requests += totals.requests
+            mine.prompt_tokens += totals.prompt_tokens
+            mine.hit_tokens += totals.hit_tokens
+
+
+class _LazyPrompt(Sequence[int]):
+    """Prompt ids expanded on first use and dropped by the manager when the request ends."""
+
+    __slots__ = ("_index", "_request")
+
+    def __init__(self, request: TraceRequest, index: int) -> None:
+        self._request = request
+        self._index = index
+
+    def _expand(self) -> list[int]:
+        return expand_prompt(self._request, self._index)
+
+    def __len__(self) -> int:
+        return self._request.input_length
+
+    @overload
+    def __getitem__(self, idx: int) -> int: ...
+    @overload
+    def __getitem__(self, idx: slice) -> Sequence[int]: ...
+    def __getitem__(self, idx: int | slice) -> int | Sequence[int]:
+        return self._expand()[idx]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._expand())
+
+
+class _OutputSampler:
+    """Deterministic "sampling": predetermined outputs, else globally unique ids."""
+
+    def __init__(self, trace: Trace) -> None:
+        self._predetermined = {
+            r.request_id: r.output_token_ids for r in trace.requests if r.output_token_ids
+        }
+        self._next_unique = OUTPUT_TOKEN_BASE
+
+    def sample(self, request: SchedRequest) -> int:
+        fixed = self._predetermined.get(request.req_id)
+        position = len(request.output_token_ids)
+        if fixed is not None and position < len(fixed):
+            return fixed[position]
+        token = self._next_unique
+        self._next_unique += 1
+        return token
+
+
+def replay(trace: Trace, config: CacheConfig, policy: str,
+           settings: ReplaySettings | None = None, progress: ProgressFn | None = None,
+           ) -> RunResult:
+    """Replay ``trace`` under ``policy`` and return its counters."""
+    started = time.perf_counter()
+    settings = settings or ReplaySettings()
+    manager = KVCacheManager(config, policy)
+    scheduler = Scheduler(manager, max_running=settings.max_running,
+                          chunk_size=settings.chunk_size,
+                          reserve_full_prompt=settings.reserve_full_prompt,
+                          lookahead_requests=settings.lookahead_requests)
+    sched_requests: list[SchedRequest] = []
+    for index, request in enumerate(trace.requests):
+        sched_request = SchedRequest(
+            request.request_id, _LazyPrompt(request, index), request.output_length,
+            session_id=request.session_id, phase=request.phase, tag=request.tag)
+        sched_requests.append(sched_request)
+        scheduler.add_request(sched_request)
+    sampler = _OutputSampler(trace)
+    num_finished = 0
+    num_requests = len(sched_requests)
+    while scheduler.has_unfinished:
+        plan = scheduler.schedule()
+        if not plan.chunks:
+            raise RuntimeError(
+                f"replay of {trace.name!r} under {policy!r} made no progress at step "
+                f"{scheduler.num_steps} (pool of {config.num_blocks} blocks too small for the "
+                "next request?)")
+        sampled = {
+            chunk.req_id: sampler.sample(scheduler.requests[chunk.req_id])
+            for chunk in plan.chunks if chunk.samples
+        }
+        num_finished += len(scheduler.update(plan, sampled))
+        if settings.check_invariants:
+            manager.check_invariants()
+        if progress is not None:
+            progress(num_finished, num_requests)
+    return _collect(policy, config, manager, scheduler, sched_requests, started)
+
+
+def _collect(policy: str, config: CacheConfig, manager: KVCacheManager, scheduler: Scheduler,
+             sched_requests: Sequence[SchedRequest], started: float) -> RunResult:
+    stats = manager.stats
+    result = RunResult(
+        policy=policy, num_blocks=config.num_blocks, requests=stats.requests,
+        prompt_tokens=stats.queries, hit_tokens=stats.hits,
+        preemptions=scheduler.num_preemptions, preempted_hit_tokens=stats.preempted_hits,
+        steps=scheduler.num_steps, evicted_blocks=sum(stats.evicted_blocks_by_group),
+        manager_seconds=manager.manager_seconds, hash_seconds=manager.hash_seconds,
+    )
+    for request in sched_requests:
+        totals = result.by_tag.setdefault(request.tag or "all", TagTotals())
+        totals.requests += 1
+        totals.prompt_tokens += len(request.prompt_token_ids)
+        totals.hit_tokens += request.first_hit_tokens or 0
+    result.wall_seconds = time.perf_counter() - started
+    return result
