@@ -67,9 +67,9 @@ def content_token_range(kind_id: int, content_id: int, num_tokens: int) -> tuple
     """Token ids of one content chunk, half-open.
 
     >>> content_token_range(kind_id=2, content_id=3, num_tokens=5)
-    (35184375169024, 35184375169029)
+    (35184375234560, 35184375234565)
     >>> (2 << 44) | (3 << 20)
-    35184375169024
+    35184375234560
     """
     base = (kind_id << _KIND_SHIFT) | (content_id << TOKEN_OFFSET_BITS)
     return base, base + num_tokens
