@@ -1,0 +1,289 @@
+"""Model shapes from TOML: which attention kind each layer has, its block size and KV bytes.
+
+A shape is data, not code: bundled presets live in ``sim/presets/*.toml`` and users pass
+their own file. The format (also in ``docs/model-format.md``)::
+
+    name = "gemma3-27b"        # optional, default: the file stem
+    description = "…"          # optional
+    block_size = 16            # tokens per block, every layer unless overridden
+    dtype_bytes = 2            # bytes per KV element (bf16)
+    num_kv_heads = 16          # KV bytes per token per layer = 2 * heads * head_dim * dtype
+    head_dim = 128             # (or give kv_bytes_per_token directly instead of these three)
+
+    # Either runs of consecutive layers, in model order …
+    [[layers]]
+    kind = "sliding_window"    # "full_attention" | "sliding_window" | "chunked_local"
+    count = 5                  # default 1
+    window = 1024              # sliding_window only: tokens a query sees, itself included
+    # chunk = 8192             # chunked_local only: attention chunk size
+    # block_size, dtype_bytes, num_kv_heads, head_dim, kv_bytes_per_token: overrides
+
+    # … or a pattern of named kinds, cycled and cut to num_layers:
+    num_layers = 62
+    pattern = ["local", "local", "local", "local", "local", "global"]
+    [kinds.local]
+    kind = "sliding_window"
+    window = 1024
+    [kinds.global]
+    kind = "full_attention"
+
+Unknown keys are errors. Every error is a ``ConfigError`` whose field names the file.
+
+>>> shape = load_model("gemma3-bench")
+>>> len(shape.cache_config(num_blocks=100).groups)   # 1 full + 5 window groups of 8 layers
+6
+>>> parse_size("1.5 KiB"), parse_size("2GB")
+(1536, 2000000000)
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from importlib import resources
+from pathlib import Path
+from typing import Final
+
+from hybridkv.config import CacheConfig, plan_cache_groups
+from hybridkv.errors import ConfigError
+from hybridkv.specs import (
+    ChunkedLocalSpec,
+    FullAttentionSpec,
+    LayerSpec,
+    SlidingWindowSpec,
+    kv_bytes_per_token,
+)
+
+PRESET_SUFFIX: Final = ".toml"
+
+_KV_KEYS: Final = ("block_size", "dtype_bytes", "num_kv_heads", "head_dim",
+                   "kv_bytes_per_token")
+_TOP_KEYS: Final = frozenset({"name", "description", "layers", "num_layers", "pattern",
+                              "kinds", *_KV_KEYS})
+_KIND_KEYS: Final = frozenset({"kind", "window", "chunk", *_KV_KEYS})
+_KINDS: Final = ("full_attention", "sliding_window", "chunked_local")
+
+SIZE_UNITS: Final = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+_SIZE_PATTERN: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """A model's layers as cache specs, in model order.
+
+    Attributes:
+        name: preset or file name.
+        layers: one spec per layer.
+        description: free text (sources of the numbers).
+        source: the TOML file it came from.
+    """
+
+    name: str
+    layers: tuple[LayerSpec, ...]
+    description: str = ""
+    source: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layer_specs(self) -> list[LayerSpec]:
+        """The per-layer specs (a fresh list)."""
+        return list(self.layers)
+
+    def cache_config(self, num_blocks: int, **options: object) -> CacheConfig:
+        """Plan cache groups and build a ``CacheConfig`` (options as its fields)."""
+        return CacheConfig.from_layers(self.layers, num_blocks, **options)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one pool block (one page of one group, padded to the largest page).
+
+        >>> load_model("dsv4-bench").bytes_per_block   # 43 layers * 256 tokens * 576 bytes
+        6340608
+        """
+        return CacheConfig(plan_cache_groups(self.layers), num_blocks=2).bytes_per_block
+
+
+def list_presets() -> list[str]:
+    """Names of the bundled presets, sorted."""
+    folder = resources.files("hybridkv.sim") / "presets"
+    return sorted(entry.name.removesuffix(PRESET_SUFFIX) for entry in folder.iterdir()
+                  if entry.name.endswith(PRESET_SUFFIX))
+
+
+def load_model(name_or_path: str | Path) -> ModelShape:
+    """Load a bundled preset by name, or a user ``.toml`` file by path.
+
+    Raises:
+        ConfigError: unknown preset and no such file, invalid TOML, or an invalid field.
+    """
+    text = str(name_or_path)
+    if text in list_presets():
+        preset = resources.files("hybridkv.sim") / "presets" / (text + PRESET_SUFFIX)
+        return parse_model(preset.read_text(encoding="utf-8"), source=f"preset {text}",
+                           default_name=text)
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ConfigError("model", text, f"not a bundled preset ({', '.join(list_presets())}) "
+                                         "and not an existing .toml file")
+    try:
+        content = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError("model", text, f"cannot be read: {err}") from err
+    return parse_model(content, source=str(path), default_name=path.stem)
+
+
+def parse_model(text: str, *, source: str = "<string>", default_name: str = "model",
+                ) -> ModelShape:
+    """Parse the TOML text of a model shape (see the module docstring for the format)."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{source}: <toml>", "…", f"invalid TOML: {err}") from err
+    _reject_unknown(doc, _TOP_KEYS, source, "")
+    defaults: dict[str, object] = {key: doc[key] for key in _KV_KEYS if key in doc}
+    has_runs, has_pattern = "layers" in doc, "pattern" in doc
+    if has_runs == has_pattern:
+        raise ConfigError(f"{source}: layers", None,
+                          "give either [[layers]] runs or pattern + num_layers + [kinds.*]")
+    layers = (_layers_from_runs(doc["layers"], defaults, source) if has_runs
+              else _layers_from_pattern(doc, defaults, source))
+    name = doc.get("name", default_name)
+    description = doc.get("description", "")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{source}: name", name, "must be a non-empty string")
+    if not isinstance(description, str):
+        raise ConfigError(f"{source}: description", description, "must be a string")
+    return ModelShape(name, tuple(layers), description, source)
+
+
+def _layers_from_runs(runs: object, defaults: dict[str, object], source: str,
+                      ) -> list[LayerSpec]:
+    if not isinstance(runs, list) or not runs:
+        raise ConfigError(f"{source}: layers", runs, "must be a non-empty array of tables")
+    layers: list[LayerSpec] = []
+    for idx, run in enumerate(runs):
+        where = f"layers[{idx}]."
+        if not isinstance(run, dict):
+            raise ConfigError(f"{source}: layers[{idx}]", run, "must be a table")
+        _reject_unknown(run, _KIND_KEYS | {"count"}, source, where)
+        count = _positive_int(run.get("count", 1), source, where + "count")
+        spec = _spec(run, defaults, source, where)
+        layers.extend([spec] * count)
+    return layers
+
+
+def _layers_from_pattern(doc: dict[str, object], defaults: dict[str, object], source: str,
+                         ) -> list[LayerSpec]:
+    num_layers = _positive_int(doc.get("num_layers"), source, "num_layers")
+    pattern, kinds = doc["pattern"], doc.get("kinds")
+    if not isinstance(pattern, list) or not pattern:
+        raise ConfigError(f"{source}: pattern", pattern, "must be a non-empty array of names")
+    if not isinstance(kinds, dict):
+        raise ConfigError(f"{source}: kinds", kinds, "define each pattern name as [kinds.<name>]")
+    specs: dict[str, LayerSpec] = {}
+    for name in pattern:
+        if not isinstance(name, str) or not isinstance(kinds.get(name), dict):
+            raise ConfigError(f"{source}: pattern", name,
+                              f"names a kind that is not a table; defined: {sorted(kinds)}")
+        if name not in specs:
+            table = kinds[name]
+            _reject_unknown(table, _KIND_KEYS, source, f"kinds.{name}.")
+            specs[name] = _spec(table, defaults, source, f"kinds.{name}.")
+    return [specs[pattern[i % len(pattern)]] for i in range(num_layers)]
+
+
+def _spec(table: dict[str, object], defaults: dict[str, object], source: str, where: str,
+          ) -> LayerSpec:
+    merged = {**defaults, **table}
+    kind = merged.get("kind")
+    if kind not in _KINDS:
+        raise ConfigError(f"{source}: {where}kind", kind, f"choose one of {list(_KINDS)}")
+    block_size = _positive_int(merged.get("block_size"), source, where + "block_size")
+    kv_bytes = _kv_bytes(merged, source, where)
+    extra = {"sliding_window": "window", "chunked_local": "chunk"}
+    for other_kind, key in extra.items():
+        if key in table and kind != other_kind:
+            raise ConfigError(f"{source}: {where}{key}", table[key], f"only {other_kind} "
+                                                                     f"layers take {key!r}")
+    if kind == "sliding_window":
+        window = _positive_int(merged.get("window"), source, where + "window")
+        return SlidingWindowSpec(block_size, kv_bytes, window)
+    if kind == "chunked_local":
+        chunk = _positive_int(merged.get("chunk"), source, where + "chunk")
+        return ChunkedLocalSpec(block_size, kv_bytes, chunk)
+    return FullAttentionSpec(block_size, kv_bytes)
+
+
+def _kv_bytes(merged: dict[str, object], source: str, where: str) -> int:
+    if merged.get("kv_bytes_per_token") is not None:
+        return _positive_int(merged["kv_bytes_per_token"], source, where + "kv_bytes_per_token")
+    heads = _positive_int(merged.get("num_kv_heads"), source, where + "num_kv_heads")
+    head_dim = _positive_int(merged.get("head_dim"), source, where + "head_dim")
+    dtype_bytes = _positive_int(merged.get("dtype_bytes"), source, where + "dtype_bytes")
+    return kv_bytes_per_token(heads, head_dim, dtype_bytes)
+
+
+def _positive_int(value: object, source: str, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        fix = "is missing" if value is None else "must be a positive integer"
+        raise ConfigError(f"{source}: {field}", value, fix)
+    return value
+
+
+def _reject_unknown(table: dict[str, object], allowed: frozenset[str], source: str,
+                    where: str) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ConfigError(f"{source}: {where}{unknown[0]}", table[unknown[0]],
+                          f"unknown key; allowed: {sorted(allowed)}")
+
+
+def parse_size(size: str | int) -> int:
+    """Bytes in a size such as ``"40GiB"``, ``"1.5 TB"`` or ``"4096"`` (floored to a byte).
+
+    Units: B, KB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of 1024),
+    case-insensitive.
+
+    >>> parse_size("40GiB")
+    42949672960
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size < 0:
+            raise ConfigError("size", size, "must be >= 0 bytes")
+        return size
+    match = _SIZE_PATTERN.match(size) if isinstance(size, str) else None
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in SIZE_UNITS:
+        raise ConfigError("size", size, "write a number and a unit, e.g. '40GiB' or '512MB' "
+                                        "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    try:
+        number = Decimal(match.group(1))
+    except InvalidOperation as err:  # pragma: no cover - the regex admits only decimals
+        raise ConfigError("size", size, "not a number") from err
+    return int(number * SIZE_UNITS[unit])
+
+
+def num_blocks_for_memory(config_or_shape: CacheConfig | ModelShape, memory: str | int) -> int:
+    """Pool size for ``memory`` bytes: ``floor(bytes / bytes_per_block)``.
+
+    The result counts every block including the reserved null block (replay-protocol.md,
+    "Pool size"), so it can be passed as ``num_blocks`` directly.
+
+    >>> num_blocks_for_memory(load_model("gemma3-bench"), "1GiB")  # 8 * 16 * 8192 B blocks
+    1024
+    """
+    num_bytes = parse_size(memory)
+    bytes_per_block = config_or_shape.bytes_per_block
+    num_blocks = num_bytes // bytes_per_block
+    if num_blocks < 2:
+        raise ConfigError("memory", memory, f"holds {num_blocks} blocks of {bytes_per_block} "
+                                            "bytes; give at least two blocks' worth")
+    return num_blocks
