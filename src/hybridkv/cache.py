@@ -71,7 +71,11 @@ class Allocation:
     num_computed_tokens: int
     num_new_tokens: int
     num_hit_tokens: int
-    new_block_ids: tuple[tuple[int, ...], ...]
+    new_blocks: tuple[list[Block], ...]
+
+    @property
+    def new_block_ids(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(b.block_id for b in blocks) for blocks in self.new_blocks)
 
 
 @dataclass(slots=True)
@@ -233,22 +237,29 @@ class KVCacheManager:
             if need > free_blocks:
                 return None
         num_slots = self._cap_len(num_computed + num_new_tokens + num_lookahead_tokens)
-        if not admitting:
+        if admitting:
+            need = coordinator.num_blocks_to_allocate(
+                req_id, num_slots, hit_tables, num_computed, apply_admission_cap=False)
+        else:
             coordinator.remove_skipped_blocks(req_id, num_computed)
-        need = coordinator.num_blocks_to_allocate(
-            req_id, num_slots, hit_tables, num_computed, apply_admission_cap=False)
+            need = coordinator.num_blocks_to_grow(req_id, num_slots)
         if need > self.pool.num_free_blocks:
             return None
         if admitting:
             coordinator.add_hit_blocks(req_id, hit_tables, num_hit)
             self._record_admission(state, num_hit, hit_tables, hit)
-        new_blocks = coordinator.allocate_new_blocks(req_id, num_slots)
+        if need or admitting:
+            new_blocks = coordinator.allocate_new_blocks(req_id, num_slots)
+        else:
+            new_blocks = [[] for _ in self.config.groups]
         state.num_computed_tokens = num_computed + num_new_tokens
-        if self.config.enable_caching:
+        hb = self.hasher.block_size
+        if self.config.enable_caching and (
+            admitting or num_computed // hb != state.num_computed_tokens // hb
+        ):  # no group's full-block count changes while the tokens stay inside one hb block
             coordinator.cache_blocks(req_id, state.block_hashes, state.num_computed_tokens,
                                      state.num_prompt_tokens, state.junction_tokens)
-        return Allocation(num_computed, num_new_tokens, num_hit,
-                          tuple(tuple(b.block_id for b in blocks) for blocks in new_blocks))
+        return Allocation(num_computed, num_new_tokens, num_hit, tuple(new_blocks))
 
     def _record_admission(self, state: _RequestState, num_hit: int,
                           hit_tables: Sequence[Sequence[Block]], hit: PrefixHit | None) -> None:

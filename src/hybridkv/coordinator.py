@@ -82,6 +82,7 @@ class HybridCoordinator:
                 self.managers[gid].use_eagle = sg_eagle
         has_window = any(not m.is_full_attention for m in self.managers)
         retention.validate(self.alignment_tokens, has_window)
+        self._releasing_managers = [m for m in self.managers if not m.is_full_attention]
         self._caps = [
             m.admission_cap_blocks(config.max_num_batched_tokens, config.max_model_len)
             for m in self.managers
@@ -159,6 +160,15 @@ class HybridCoordinator:
             )
         return total
 
+    def num_blocks_to_grow(self, req_id: ReqId, num_tokens: int) -> int:
+        """Blocks a running request's tables need to cover ``num_tokens`` slots."""
+        total = 0
+        for manager in self.managers:
+            missing = -(-num_tokens // manager.block_size) - len(manager.tables[req_id])
+            if missing > 0:
+                total += missing
+        return total
+
     def add_hit_blocks(self, req_id: ReqId, hit_tables: Sequence[Sequence[Block]],
                        num_hit_tokens: int) -> None:
         """Touch every group's hit blocks before any group allocates (no double hand-out)."""
@@ -169,7 +179,7 @@ class HybridCoordinator:
         return [m.allocate_new_blocks(req_id, num_tokens) for m in self.managers]
 
     def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:
-        for manager in self.managers:
+        for manager in self._releasing_managers:
             manager.remove_skipped_blocks(req_id, num_computed_tokens)
 
     def cache_blocks(self, req_id: ReqId, hashes: Sequence[BlockHash], num_tokens: int,

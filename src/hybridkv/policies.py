@@ -74,15 +74,27 @@ class RetentionPolicy(ABC):
                     ) -> list[bool] | None:
         """Which window blocks in ``[start, end)`` to hash; ``None`` means all of them."""
 
+    scratch_tier = FreeTier.TAIL
+    """Tier of freed blocks without a hash (they can never produce a hit)."""
+    cached_tier = FreeTier.TAIL
+    """Tier of freed hashed blocks when their request ends (finish or preemption)."""
+    pin_drop_tokens: int | None = None
+    """When set, hashed window blocks ending within this many tokens of a window drop go to
+    the pinned tier (older ones to the tail)."""
+
     def free_tier(self, block: Block) -> FreeTier:
         """Tier of a block freed with its request (finish or preemption)."""
-        del block
-        return FreeTier.TAIL
+        return self.scratch_tier if block.block_hash is None else self.cached_tier
 
     def drop_tier(self, block: Block, block_end_token: int, num_skipped_tokens: int) -> FreeTier:
         """Tier of a window block released because it left the window."""
-        del block_end_token, num_skipped_tokens
-        return self.free_tier(block)
+        if block.block_hash is None:
+            return self.scratch_tier
+        if self.pin_drop_tokens is not None and (
+            block_end_token > num_skipped_tokens - self.pin_drop_tokens
+        ):
+            return FreeTier.PINNED
+        return FreeTier.TAIL
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
@@ -134,9 +146,7 @@ class PrependPolicy(ReachablePolicy):
     """``reachable`` + unhashed freed blocks to the queue head (vLLM 0.33, interval None)."""
 
     name = "prepend"
-
-    def free_tier(self, block: Block) -> FreeTier:
-        return FreeTier.HEAD if block.block_hash is None else FreeTier.TAIL
+    scratch_tier = FreeTier.HEAD
 
 
 class IntervalPolicy(PrependPolicy):
@@ -181,17 +191,9 @@ class PinPolicy(PrependPolicy):
                 "pin", pin_tokens, "must be a positive number of tokens, e.g. pin:32768"
             )
         self.pin_tokens = pin_tokens
+        self.pin_drop_tokens = pin_tokens
+        self.cached_tier = FreeTier.PINNED
         self.name = f"pin:{pin_tokens}"
-
-    def free_tier(self, block: Block) -> FreeTier:
-        return FreeTier.HEAD if block.block_hash is None else FreeTier.PINNED
-
-    def drop_tier(self, block: Block, block_end_token: int, num_skipped_tokens: int) -> FreeTier:
-        if block.block_hash is None:
-            return FreeTier.HEAD
-        if block_end_token > num_skipped_tokens - self.pin_tokens:
-            return FreeTier.PINNED
-        return FreeTier.TAIL
 
 
 def make_retention_policy(name: str) -> RetentionPolicy:

@@ -9,7 +9,7 @@ pinned tier can never stall allocation.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
 
 from hybridkv.block import Block, FreeBlockQueue
@@ -115,37 +115,40 @@ class BlockPool:
                     self.free_queue.remove(block)
             block.ref_count += 1
 
-    def free_blocks(self, blocks: Iterable[Block], tier_of: Callable[[Block], FreeTier]) -> None:
-        """Drop one reference on each block; blocks reaching 0 go to ``tier_of(block)``.
+    def free_blocks(self, blocks: Iterable[Block], scratch_tier: FreeTier,
+                    cached_tier: FreeTier) -> None:
+        """Drop one reference on each block; blocks reaching 0 go to ``cached_tier`` if
+        they carry a hash, else to ``scratch_tier``.
 
         Within each tier the given order is kept: callers pass a request's blocks tail first,
         so the end of a prefix chain is evicted before its beginning.
         """
         self.epoch += 1
-        head: list[Block] = []
-        tail: list[Block] = []
-        pinned: list[Block] = []
+        scratch: list[Block] = []
+        cached: list[Block] = []
         for block in blocks:
             if block.is_null:
                 continue
-            if block.ref_count <= 0:
+            ref_count = block.ref_count - 1
+            if ref_count < 0:
                 raise InvariantViolation(f"free of {block!r} whose ref_count is already 0")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                tier = tier_of(block)
-                if tier is FreeTier.HEAD:
-                    head.append(block)
-                elif tier is FreeTier.TAIL:
-                    tail.append(block)
-                else:
+            block.ref_count = ref_count
+            if ref_count == 0:
+                (scratch if block.block_hash is None else cached).append(block)
+        if scratch_tier is cached_tier:
+            scratch.extend(cached)
+            cached = []
+        for tier, released in ((scratch_tier, scratch), (cached_tier, cached)):
+            if not released:
+                continue
+            if tier is FreeTier.HEAD:
+                self.free_queue.prepend_n(released)
+            elif tier is FreeTier.TAIL:
+                self.free_queue.append_n(released)
+            else:
+                for block in released:
                     block.is_pinned = True
-                    pinned.append(block)
-        if head:
-            self.free_queue.prepend_n(head)
-        if tail:
-            self.free_queue.append_n(tail)
-        if pinned:
-            self.pinned_queue.append_n(pinned)
+                self.pinned_queue.append_n(released)
 
     def cache_block(self, block: Block, block_hash: BlockHash, group_id: GroupId) -> None:
         """Give a held, unhashed block its prefix hash so later lookups can hit it."""

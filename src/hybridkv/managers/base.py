@@ -19,7 +19,7 @@ from hybridkv.block import Block
 from hybridkv.config import CacheGroup
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.policies import RetentionPolicy
-from hybridkv.pool import BlockPool
+from hybridkv.pool import BlockPool, FreeTier
 from hybridkv.specs import LayerSpec
 
 
@@ -155,35 +155,44 @@ class GroupManager(ABC):
         self.num_cached_blocks[req_id] = num_full
 
     def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:
-        """Release blocks that left the window; their table slots become the null block."""
+        """Release blocks that left the window; their table slots become the null block.
+
+        Released blocks are passed newest first, so within a tier the newest is reused first.
+        """
         num_skipped = self.num_skipped_tokens(num_computed_tokens)
         if num_skipped <= 0:
             return
         table = self.tables.get(req_id)
         if not table:
             return
+        last = min(num_skipped // self.block_size, len(table)) - 1
         null = self.pool.null_block
+        if last < 0 or table[last] is null:
+            return
         released: list[Block] = []
-        ends: dict[int, int] = {}
-        for i in range(min(num_skipped // self.block_size, len(table)) - 1, -1, -1):
-            block = table[i]
-            if block is null:
-                break
-            released.append(block)
-            ends[block.block_id] = (i + 1) * self.block_size
-            table[i] = null
-        if released:
-            policy = self.retention
-            self.pool.free_blocks(
-                released, lambda b: policy.drop_tier(b, ends[b.block_id], num_skipped)
-            )
+        first = last
+        while first >= 0 and table[first] is not null:
+            released.append(table[first])
+            table[first] = null
+            first -= 1
+        policy = self.retention
+        pin_tokens = policy.pin_drop_tokens
+        if pin_tokens is None:
+            self.pool.free_blocks(released, policy.scratch_tier, FreeTier.TAIL)
+            return
+        # released[j] is table index last - j, ending at (last - j + 1) * block_size tokens
+        num_recent = max(0, min(len(released),
+                                last + 1 - (num_skipped - pin_tokens) // self.block_size))
+        self.pool.free_blocks(released[:num_recent], policy.scratch_tier, FreeTier.PINNED)
+        self.pool.free_blocks(released[num_recent:], policy.scratch_tier, FreeTier.TAIL)
 
     def free(self, req_id: ReqId) -> None:
         """Release the request's blocks, tail first (the chain end is evicted first)."""
         table = self.tables.pop(req_id, None)
         self.num_cached_blocks.pop(req_id, None)
         if table:
-            self.pool.free_blocks(reversed(table), self.retention.free_tier)
+            policy = self.retention
+            self.pool.free_blocks(reversed(table), policy.scratch_tier, policy.cached_tier)
 
     def block_ids(self, req_id: ReqId) -> list[int]:
         return [b.block_id for b in self.tables.get(req_id, ())]
