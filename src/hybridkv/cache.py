@@ -211,15 +211,7 @@ class KVCacheManager:
                   num_lookahead_tokens: int, reserve_full_prompt: bool) -> Allocation | None:
         state = self._state(req_id, "allocate_slots")
         admitting = not state.is_running
-        hit_tables: Sequence[Sequence[Block]] = [()] * len(self.config.groups)
-        num_hit = 0
-        if hit is not None and (hit.num_tokens or any(hit.blocks)):
-            if not admitting or hit.req_id != req_id:
-                raise RequestError(f"request_id={req_id!r}: a PrefixHit applies only to the "
-                                   "admission of the request it was looked up for")
-            if hit.epoch != self.pool.epoch:
-                raise StaleHitError(req_id, hit.epoch, self.pool.epoch)
-            hit_tables, num_hit = hit.blocks, hit.num_tokens
+        hit_tables, num_hit = self._checked_hit(req_id, hit, admitting)
         num_computed = state.num_computed_tokens + num_hit
         num_tokens = len(state.token_ids)
         if num_new_tokens <= 0 or num_computed + num_new_tokens > num_tokens:
@@ -260,6 +252,17 @@ class KVCacheManager:
             coordinator.cache_blocks(req_id, state.block_hashes, state.num_computed_tokens,
                                      state.num_prompt_tokens, state.junction_tokens)
         return Allocation(num_computed, num_new_tokens, num_hit, tuple(new_blocks))
+
+    def _checked_hit(self, req_id: ReqId, hit: PrefixHit | None, admitting: bool,
+                     ) -> tuple[Sequence[Sequence[Block]], int]:
+        if hit is None or not (hit.num_tokens or any(hit.blocks)):
+            return [()] * len(self.config.groups), 0
+        if not admitting or hit.req_id != req_id:
+            raise RequestError(f"request_id={req_id!r}: a PrefixHit applies only to the "
+                               "admission of the request it was looked up for")
+        if hit.epoch != self.pool.epoch:
+            raise StaleHitError(req_id, hit.epoch, self.pool.epoch)
+        return hit.blocks, hit.num_tokens
 
     def _record_admission(self, state: _RequestState, num_hit: int,
                           hit_tables: Sequence[Sequence[Block]], hit: PrefixHit | None) -> None:
