@@ -52,12 +52,13 @@ def require_existing(path: Path) -> None:
         raise TraceFormatError(str(path), None, "path", "does not exist; check the trace path")
 
 
-def read_json_lines(path: Path) -> Iterator[tuple[int, JsonObject]]:
+def read_json_lines(path: Path, *, allow_empty: bool = False,
+                    ) -> Iterator[tuple[int, JsonObject]]:
     """Yield ``(line_number, object)`` for every non-blank line of a JSONL file.
 
     Raises:
-        TraceFormatError: unreadable file, bad JSON, a line that is not an object, or no
-            request line at all.
+        TraceFormatError: unreadable file, bad JSON, a line that is not an object, or (unless
+            ``allow_empty``) no line at all.
     """
     require_existing(path)
     found = False
@@ -70,7 +71,7 @@ def read_json_lines(path: Path) -> Iterator[tuple[int, JsonObject]]:
                 yield line_number, _parse_object(text, Where(str(path), line_number))
     except (OSError, UnicodeDecodeError) as err:
         raise TraceFormatError(str(path), None, "file", f"cannot be read: {err}") from err
-    if not found:
+    if not found and not allow_empty:
         raise TraceFormatError(str(path), None, "file", "is empty (no JSON lines)")
 
 

@@ -108,7 +108,7 @@ def _load_lengths(path: Path, kind: ComponentKind) -> dict[int, int]:
             "path", f"is missing; a RAGPulse directory needs {TRACE_FILE_NAME} and the five "
             f"length files ({', '.join(k.file_name for k in COMPONENTS)})")
     lengths: dict[int, int] = {}
-    for line_number, obj in read_json_lines(path):
+    for line_number, obj in read_json_lines(path, allow_empty=True):
         where = Where(str(path), line_number)
         content_id = require_int(obj, kind.id_field, where)
         if content_id >= 1 << CONTENT_ID_BITS:
