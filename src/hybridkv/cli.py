@@ -100,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     console = Console()
+    if not console.is_terminal:  # pipes and files: wide enough that tables never wrap
+        console = Console(width=160)
     err_console = Console(stderr=True)
     commands: dict[str, Callable[[argparse.Namespace, Console, Console], int]] = {
         "replay": cmd_replay, "sweep": cmd_sweep, "check-trace": cmd_check_trace,

@@ -29,7 +29,15 @@ from hybridkv.sim.workloads import WORKLOAD_DEFAULTS, make_workload, retention_m
 
 DEFAULT_WORKLOAD = "agentic"
 DEFAULT_MODEL = "gemma3-bench"
-DEFAULT_KV_MEMORY = "40GiB"
+DEFAULT_KV_MEMORY = "64GiB"
+DEFAULT_WORKLOAD_PARAMS: dict[str, object] = {
+    "num_sessions": 32, "num_turns": 8, "first_prompt_tokens": 8192, "turn_tokens": 2048,
+    "length_jitter": 0.5,
+}
+"""The bundled default run (``hybridkv replay`` with no arguments): 32 interleaved agentic
+sessions of 8 turns (8k-token start, ~2k new tokens a turn, contexts up to ~27k tokens) on
+``gemma3-bench`` with 64 GiB of KV memory, where dense window tails flush the prefixes of
+other sessions and sparse retention keeps them."""
 MICROBENCH = "retention-microbench"
 PROTOCOL_POOLS = {(MICROBENCH, "dsv4-bench"): 3_716, (MICROBENCH, "gemma3-bench"): 60_230}
 """Pool sizes the replay protocol fixes for the retention microbenchmark."""
@@ -90,6 +98,8 @@ def resolve_source(args: argparse.Namespace) -> Source:
         trace = load_trace(args.trace, limit=args.limit)
         return Source(trace.name, None, {"": trace}, {})
     name = args.workload or DEFAULT_WORKLOAD
+    if args.workload is None:
+        params = {**DEFAULT_WORKLOAD_PARAMS, **params}
     defaults = dict(WORKLOAD_DEFAULTS.get(name, {}))
     if name == MICROBENCH:
         scenarios = retention_microbench_scenarios(**params)  # type: ignore[arg-type]
