@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from hybridkv.sim.workloads import agentic
 SHARED_TRACES = Path(__file__).parents[2] / ".." / "shared" / "traces"
 
 
-def write_lines(path: Path, lines: list[object]) -> Path:
+def write_lines(path: Path, lines: Sequence[object]) -> Path:
     text = "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
     path.write_text(text, encoding="utf-8")
     return path
