@@ -141,8 +141,9 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
                           lookahead_requests=settings.lookahead_requests)
     sched_requests: list[SchedRequest] = []
     for index, request in enumerate(trace.requests):
+        # A trace may say 0 output tokens; an engine always samples at least one.
         sched_request = SchedRequest(
-            request.request_id, _LazyPrompt(request, index), request.output_length,
+            request.request_id, _LazyPrompt(request, index), max(1, request.output_length),
             session_id=request.session_id, phase=request.phase, tag=request.tag)
         sched_requests.append(sched_request)
         scheduler.add_request(sched_request)
