@@ -23,10 +23,6 @@ def holders_of(*tables: list[int]) -> dict[int, int]:
     return counts
 
 
-def tail(_block: object) -> FreeTier:
-    return FreeTier.TAIL
-
-
 def test_null_block_is_reserved_and_allocation_starts_at_1() -> None:
     pool = BlockPool(5, 1)
     assert pool.null_block.block_id == 0 and pool.null_block.is_null
@@ -55,8 +51,7 @@ def test_free_tiers_head_tail_and_order() -> None:
     pool.cache_block(b1, h("a"), G0)
     pool.cache_block(b2, h("b"), G0)
     # free tail-first, as managers do: [b4, b3, b2, b1]
-    pool.free_blocks([b4, b3, b2, b1],
-                     lambda b: FreeTier.HEAD if b.block_hash is None else FreeTier.TAIL)
+    pool.free_blocks([b4, b3, b2, b1], FreeTier.HEAD, FreeTier.TAIL)
     assert pool.free_block_ids() == [4, 3, 5, 6, 7, 2, 1]
     pool.check_invariants({})
     # the head is reused first; reusing a hashed block evicts its hash
@@ -72,14 +67,14 @@ def test_touch_unlinks_free_cached_block_and_counts_references() -> None:
     pool = BlockPool(4, 1)
     b1, b2 = pool.allocate(2)
     pool.cache_block(b1, h("a"), G0)
-    pool.free_blocks([b1], tail)
+    pool.free_blocks([b1], FreeTier.TAIL, FreeTier.TAIL)
     assert pool.num_free_blocks == 2
     pool.touch([b1, pool.null_block])
     pool.touch([b1])
     assert b1.ref_count == 2 and pool.num_free_blocks == 1
     assert pool.null_block.ref_count == 0  # the null block is never counted
     pool.check_invariants(holders_of([1, 2], [1]))
-    pool.free_blocks([b1, b2], tail)
+    pool.free_blocks([b1, b2], FreeTier.TAIL, FreeTier.TAIL)
     assert b1.ref_count == 1 and b2.ref_count == 0
     pool.check_invariants(holders_of([1]))
 
@@ -87,9 +82,9 @@ def test_touch_unlinks_free_cached_block_and_counts_references() -> None:
 def test_double_free_of_a_block_is_an_invariant_violation() -> None:
     pool = BlockPool(3, 1)
     (b1,) = pool.allocate(1)
-    pool.free_blocks([b1], tail)
+    pool.free_blocks([b1], FreeTier.TAIL, FreeTier.TAIL)
     with pytest.raises(InvariantViolation, match="already 0"):
-        pool.free_blocks([b1], tail)
+        pool.free_blocks([b1], FreeTier.TAIL, FreeTier.TAIL)
 
 
 def test_cache_block_rejects_hashed_or_null_blocks() -> None:
@@ -140,8 +135,8 @@ def test_pinned_tier_is_used_only_after_the_free_queue_is_empty() -> None:
     blocks = pool.allocate(5)
     for i, block in enumerate(blocks[:2]):
         pool.cache_block(block, h(f"p{i}"), G0)
-    pool.free_blocks(blocks[:2], lambda b: FreeTier.PINNED)
-    pool.free_blocks(blocks[2:], tail)
+    pool.free_blocks(blocks[:2], FreeTier.PINNED, FreeTier.PINNED)
+    pool.free_blocks(blocks[2:], FreeTier.TAIL, FreeTier.TAIL)
     assert pool.num_free_blocks == 5  # pinned blocks count as free: admission never stalls
     assert [b.block_id for b in pool.pinned_queue] == [1, 2]
     assert all(b.is_pinned for b in blocks[:2])
@@ -160,7 +155,7 @@ def test_touch_of_a_pinned_block_unpins_it() -> None:
     pool = BlockPool(3, 1)
     (b1,) = pool.allocate(1)
     pool.cache_block(b1, h("a"), G0)
-    pool.free_blocks([b1], lambda b: FreeTier.PINNED)
+    pool.free_blocks([b1], FreeTier.PINNED, FreeTier.PINNED)
     pool.touch([b1])
     assert not b1.is_pinned and len(pool.pinned_queue) == 0 and b1.ref_count == 1
     pool.check_invariants(holders_of([1]))
@@ -173,7 +168,7 @@ def test_epoch_changes_on_every_mutation() -> None:
     after_allocate = pool.epoch
     pool.touch([b1])
     after_touch = pool.epoch
-    pool.free_blocks([b1, b1], tail)
+    pool.free_blocks([b1, b1], FreeTier.TAIL, FreeTier.TAIL)
     assert start < after_allocate < after_touch < pool.epoch
 
 
