@@ -1,0 +1,187 @@
+"""A hybrid-attention decoder in plain PyTorch (Gemma-3 architecture, any layer pattern).
+
+The model never sees the KV cache: each layer hands its queries, keys and values for the
+step's tokens to an ``attend(layer_id, q, k, v)`` callback (the runner's), which stores the
+keys/values in pages and returns the attention output. Tokens of several requests are
+concatenated into one ``[num_tokens, ...]`` batch; positions are absolute per token.
+
+Per layer (``x`` is the residual stream)::
+
+    h = norm_in(x);  q, k, v = split(h @ W_qkv);  q, k = rope(q_norm(q)), rope(k_norm(k))
+    x = x + norm_post_attn(attend(q, k, v) @ W_o)
+    x = x + norm_post_ffn(down(gelu_tanh(gate(h')) * up(h'))),  h' = norm_pre_ffn(x)
+
+RMSNorm scales by ``1 + w``. In float32/float64 it is computed exactly in that dtype; for
+16-bit activations one fused ``rms_norm`` runs in the activation dtype with ``1 + w``
+rounded to it (one rounding more than Gemma's float32 reference: a fast-path choice).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as nnf
+
+from hybridkv.engine.model_config import ModelConfig
+from hybridkv.engine.rope import apply_rope, rope_tables
+
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attend(layer_id, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]``."""
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * (1 + weight)`` over the last dimension."""
+    shape = (x.shape[-1],)
+    if x.dtype in (torch.float32, torch.float64):
+        return nnf.rms_norm(x, shape, eps=eps) * (1.0 + weight.to(x.dtype))
+    return nnf.rms_norm(x, shape, weight=(1.0 + weight.float()).to(x.dtype), eps=eps)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """The tensors of one decoder layer (fused ``qkv`` and ``gate_up`` projections)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_proj: torch.Tensor
+    post_attn_norm: torch.Tensor
+    pre_ffn_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    post_ffn_norm: torch.Tensor
+
+
+class DecoderLayer(nn.Module):
+    """Parameters of one layer; ``weights()`` exposes them as a ``LayerWeights``."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden, hd = config.hidden_size, config.head_dim
+        qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * hd
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device),
+                                requires_grad=False)
+
+        self.input_norm = param(hidden)
+        self.qkv = param(qkv_rows, hidden)
+        self.q_norm = param(hd)
+        self.k_norm = param(hd)
+        self.o_proj = param(hidden, config.num_heads * hd)
+        self.post_attn_norm = param(hidden)
+        self.pre_ffn_norm = param(hidden)
+        self.gate_up = param(2 * config.intermediate_size, hidden)
+        self.down = param(hidden, config.intermediate_size)
+        self.post_ffn_norm = param(hidden)
+
+    def weights(self) -> LayerWeights:
+        return LayerWeights(self.input_norm, self.qkv, self.q_norm, self.k_norm, self.o_proj,
+                            self.post_attn_norm, self.pre_ffn_norm, self.gate_up, self.down,
+                            self.post_ffn_norm)
+
+
+class HybridDecoder(nn.Module):
+    """The decoder: embedding, layers, final norm, LM head (tied unless configured).
+
+    Args:
+        config: model shape.
+        dtype / device: where the parameters live.
+        seed: random initialisation seed (a ``torch.Generator`` on ``device``); ``None``
+            leaves zeros for a loader to fill.
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float64,
+                 device: torch.device | str = "cpu", seed: int | None = 0) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.embed = nn.Parameter(torch.zeros(config.vocab_size, config.hidden_size,
+                                              dtype=dtype, device=device), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype=dtype, device=device)
+                                    for _ in range(config.num_layers))
+        self.final_norm = nn.Parameter(torch.zeros(config.hidden_size, dtype=dtype,
+                                                   device=device), requires_grad=False)
+        self.lm_head: nn.Parameter | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.zeros_like(self.embed), requires_grad=False)
+        self._layer_weights: list[LayerWeights] | None = None
+        if seed is not None:
+            self.randomize(seed)
+
+    @torch.no_grad()
+    def randomize(self, seed: int) -> None:
+        """Seeded random weights: projections ~ N(0, 1/fan_in), norm weights ~ N(0, 0.1²)."""
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        for name, tensor in self.named_parameters():
+            scale = 0.1 if tensor.dim() == 1 else tensor.shape[-1] ** -0.5
+            if name in ("embed", "lm_head"):
+                scale = self.config.hidden_size ** -0.5
+            values = torch.randn(tensor.shape, generator=generator, device=self.device,
+                                 dtype=torch.float32 if tensor.dtype != torch.float64
+                                 else torch.float64)
+            tensor.copy_(values * scale)
+        self._layer_weights = None
+
+    def layer_weights(self) -> list[LayerWeights]:
+        if self._layer_weights is None:
+            self._layer_weights = [layer.weights() for layer in self.layers
+                                   if isinstance(layer, DecoderLayer)]
+        return self._layer_weights
+
+    @torch.no_grad()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                logit_rows: torch.Tensor) -> torch.Tensor:
+        """Run all layers over ``token_ids`` [T] at ``positions`` [T]; return the logits of
+        rows ``logit_rows`` (``[R, vocab]``)."""
+        cfg = self.config
+        scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=self.dtype, device=self.device)
+        x = nnf.embedding(token_ids, self.embed) * scale
+        ropes = {
+            "full_attention": rope_tables(positions, head_dim=cfg.head_dim,
+                                          theta=cfg.rope_theta,
+                                          scaling_factor=cfg.rope_scaling_factor,
+                                          dtype=self.dtype),
+            "local": rope_tables(positions, head_dim=cfg.head_dim,
+                                 theta=cfg.rope_local_theta, dtype=self.dtype),
+        }
+        for layer_id, (kind, weights) in enumerate(zip(cfg.layer_types, self.layer_weights(),
+                                                       strict=True)):
+            cos, sin = ropes["full_attention" if kind == "full_attention" else "local"]
+            x = self._layer(layer_id, x, weights, cos, sin, attend)
+        h = gemma_rms_norm(x.index_select(0, logit_rows), self.final_norm, cfg.rms_norm_eps)
+        head = self.lm_head if self.lm_head is not None else self.embed
+        logits = nnf.linear(h, head)
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _layer(self, layer_id: int, x: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
+               sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        num_tokens, hd = x.shape[0], cfg.head_dim
+        h = gemma_rms_norm(x, w.input_norm, eps)
+        q, k, v = torch.split(nnf.linear(h, w.qkv),
+                              [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd],
+                              dim=-1)
+        q = apply_rope(gemma_rms_norm(q.reshape(num_tokens, cfg.num_heads, hd), w.q_norm, eps),
+                       cos, sin)
+        k = apply_rope(gemma_rms_norm(k.reshape(num_tokens, cfg.num_kv_heads, hd), w.k_norm,
+                                      eps), cos, sin)
+        v = v.reshape(num_tokens, cfg.num_kv_heads, hd)
+        out = attend(layer_id, q, k, v)
+        attn = nnf.linear(out.reshape(num_tokens, cfg.num_heads * hd), w.o_proj)
+        x = x + gemma_rms_norm(attn, w.post_attn_norm, eps)
+        gate, up = nnf.linear(gemma_rms_norm(x, w.pre_ffn_norm, eps), w.gate_up).chunk(2, dim=-1)
+        mlp = nnf.linear(nnf.gelu(gate, approximate="tanh") * up, w.down)
+        return x + gemma_rms_norm(mlp, w.post_ffn_norm, eps)
+

@@ -1,0 +1,281 @@
+"""The engine loop: the shared ``Scheduler`` drives the model over paged KV.
+
+One step::
+
+    plan = scheduler.schedule()               admissions, prefill chunks, decode tokens
+    for each layer, for each chunk in plan order:
+        write the chunk's K/V at the slots of its positions (block tables read after
+        schedule() returned), gather the K/V its queries read, attend
+    sample greedily for chunks that reach their request's last known token
+    scheduler.update(plan, sampled)
+
+Chunks run in plan order inside each layer, so a request admitted in the same step as the
+request that writes its hit blocks reads them after they are written. Token ids are
+reduced modulo the vocabulary for the embedding; the cache manager hashes the original ids.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv.cache import KVCacheManager
+from hybridkv.config import CacheConfig
+from hybridkv.engine.attention import AttentionFn, AttentionRule, reference_attention
+from hybridkv.engine.model import AttendFn, HybridDecoder
+from hybridkv.engine.paged import PagedKVCache
+from hybridkv.errors import CapacityError, ConfigError
+from hybridkv.sim.scheduler import SchedRequest, ScheduledChunk, Scheduler, StepPlan
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one request did in one run.
+
+    Attributes:
+        sampled_logits: per sampled token, the logits row it was drawn from (float64, CPU;
+            empty when the runner does not record logits).
+        hit_tokens: prefix-hit tokens at each admission (re-admissions after preemption
+            append).
+        admitted_s / first_token_s: ``time.perf_counter()`` at the start of the step that
+            first admitted the request, and after the step that sampled its first token
+            (device synchronised).
+    """
+
+    req_id: str
+    num_prompt_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    sampled_logits: list[torch.Tensor] = field(default_factory=list)
+    hit_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    admitted_s: float | None = None
+    first_token_s: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Seconds from first admission to the first sampled token."""
+        if self.admitted_s is None or self.first_token_s is None:
+            return None
+        return self.first_token_s - self.admitted_s
+
+
+@dataclass(slots=True)
+class RunResult:
+    """A finished run: per-request records and run-wide counters."""
+
+    policy: str
+    records: dict[str, RequestRecord]
+    num_steps: int
+    num_preemptions: int
+    prompt_tokens: int
+    hit_tokens: int
+    computed_tokens: int
+    wall_s: float
+
+    @property
+    def total_hit_tokens(self) -> int:
+        """Hit tokens over every admission (re-admissions included)."""
+        return sum(sum(r.hit_tokens) for r in self.records.values())
+
+
+@dataclass(slots=True)
+class _Work:
+    """One scheduled chunk, resolved against the block tables."""
+
+    chunk: ScheduledChunk
+    row: int
+    write_slots: list[torch.Tensor]
+    read_slots: list[torch.Tensor]
+    read_starts: list[int]
+
+    @property
+    def start(self) -> int:
+        return self.chunk.num_computed_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.chunk.num_new_tokens
+
+
+def vocab_ids(token_ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Embedding rows of (possibly huge) token ids: ``id mod vocab_size``."""
+    return (torch.tensor(token_ids, dtype=torch.int64) % vocab_size).to(device)
+
+
+def _copy_request(request: SchedRequest) -> SchedRequest:
+    return SchedRequest(request.req_id, list(request.prompt_token_ids),
+                        request.max_output_tokens, request.session_id, request.phase,
+                        request.tag)
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """How a runner schedules and what it records.
+
+    Attributes:
+        policy: retention policy name (ignored when caching is off).
+        chunk_size / max_running: the scheduler's token budget per step and running cap.
+        record_logits: keep every sampled logits row (for ``verify``; costly for a big
+            vocabulary).
+        poison: fill fresh KV pages with NaN (see ``PagedKVCache``).
+    """
+
+    policy: str = "latest"
+    chunk_size: int = 8192
+    max_running: int = 16
+    record_logits: bool = True
+    poison: bool = False
+
+
+class EngineRunner:
+    """Runs workloads through ``model`` with one cache configuration and policy.
+
+    Args:
+        model: the decoder.
+        cache_config: groups must cover the model's layers (``cache_config_for_model``).
+        options: policy, scheduling and recording (``RunOptions``).
+        attention: ``reference_attention`` (exact, float64), ``sdpa_attention`` or a
+            ``engine.flex.FlexAttention``.
+        kv_cache: reuse pages across runners (same ``CacheConfig`` shape).
+    """
+
+    def __init__(self, model: HybridDecoder, cache_config: CacheConfig,
+                 options: RunOptions | None = None, *,
+                 attention: AttentionFn = reference_attention,
+                 kv_cache: PagedKVCache | None = None) -> None:
+        mcfg = model.config
+        self.model = model
+        self.cache_config = cache_config
+        self.options = options = options or RunOptions()
+        self.attention = attention
+        self.rules = [AttentionRule.for_layer(mcfg, i) for i in range(mcfg.num_layers)]
+        self.group_rules = self._group_rules(cache_config)
+        if kv_cache is None:
+            kv_cache = PagedKVCache(cache_config, num_kv_heads=mcfg.num_kv_heads,
+                                    head_dim=mcfg.head_dim, dtype=model.dtype,
+                                    device=model.device, poison=options.poison)
+        elif (kv_cache.config.groups != cache_config.groups
+              or kv_cache.config.num_blocks != cache_config.num_blocks):
+            raise ConfigError("kv_cache", "<PagedKVCache>",
+                              "pages were built for other cache groups or pool size")
+        self.kv_cache = kv_cache
+        self.scheduler: Scheduler | None = None
+        self.manager: KVCacheManager | None = None
+
+    def _group_rules(self, cache_config: CacheConfig) -> list[AttentionRule]:
+        covered = sorted(i for g in cache_config.groups for i in g.layer_ids)
+        if covered != list(range(len(self.rules))):
+            raise ConfigError("cache_config.groups", covered,
+                              f"must cover layers 0..{len(self.rules) - 1} exactly once")
+        rules = []
+        for group in cache_config.groups:
+            kinds = {self.rules[i] for i in group.layer_ids}
+            if len(kinds) != 1:
+                raise ConfigError("cache_config.groups", group.layer_ids,
+                                  "layers of one cache group must share one attention rule")
+            rules.append(kinds.pop())
+        return rules
+
+    # ------------------------------------------------------------------ loop
+    def run(self, requests: Iterable[SchedRequest]) -> RunResult:
+        """Run ``requests`` (copied; the originals are not mutated) to completion."""
+        opts = self.options
+        manager = KVCacheManager(self.cache_config, opts.policy)
+        scheduler = Scheduler(manager, max_running=opts.max_running, chunk_size=opts.chunk_size)
+        self.manager, self.scheduler = manager, scheduler
+        records: dict[str, RequestRecord] = {}
+        for request in requests:
+            scheduler.add_request(_copy_request(request))
+            records[request.req_id] = RequestRecord(request.req_id,
+                                                    len(request.prompt_token_ids))
+        run_started = time.perf_counter()
+        computed = 0
+        while scheduler.has_unfinished:
+            step_started = time.perf_counter()
+            plan = scheduler.schedule()
+            if not plan.chunks:
+                raise CapacityError(
+                    f"step {scheduler.num_steps}: nothing could be scheduled; "
+                    f"num_blocks={self.cache_config.num_blocks} cannot hold the next request")
+            for chunk in plan.chunks:
+                record = records[chunk.req_id]
+                record.num_computed_tokens += chunk.num_new_tokens
+                computed += chunk.num_new_tokens
+                if chunk.req_id in plan.admitted:
+                    record.hit_tokens.append(chunk.num_hit_tokens)
+                    if record.admitted_s is None:
+                        record.admitted_s = step_started
+            sampled = self._execute(manager, plan, records)
+            step_done = time.perf_counter()
+            for req_id, token in sampled.items():
+                record = records[req_id]
+                record.output_token_ids.append(token)
+                if record.first_token_s is None:
+                    record.first_token_s = step_done
+            scheduler.update(plan, sampled)
+        stats = manager.stats
+        return RunResult(opts.policy, records, scheduler.num_steps, scheduler.num_preemptions,
+                         stats.queries, stats.hits, computed,
+                         time.perf_counter() - run_started)
+
+    def _execute(self, manager: KVCacheManager, plan: StepPlan,
+                 records: dict[str, RequestRecord]) -> dict[str, int]:
+        works: list[_Work] = []
+        token_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        logit_rows: list[int] = []
+        for chunk in plan.chunks:
+            start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
+            works.append(self._resolve(manager, chunk, len(token_ids)))
+            token_ids.extend(manager.token_ids(chunk.req_id)[start:end])
+            positions.append(torch.arange(start, end))
+            if chunk.samples:
+                logit_rows.append(len(token_ids) - 1)
+        device = self.model.device
+        logits = self.model(vocab_ids(token_ids, self.model.config.vocab_size, device),
+                            torch.cat(positions).to(device), self._attend_fn(works),
+                            torch.tensor(logit_rows, dtype=torch.int64).to(device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samplers = [w.chunk.req_id for w in works if w.chunk.samples]
+        tokens = logits.argmax(dim=-1).tolist()
+        if self.options.record_logits:
+            rows = logits.to("cpu", torch.float64)
+            for index, req_id in enumerate(samplers):
+                records[req_id].sampled_logits.append(rows[index])
+        return dict(zip(samplers, tokens, strict=True))
+
+    def _resolve(self, manager: KVCacheManager, chunk: ScheduledChunk, row: int) -> _Work:
+        start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
+        tables = manager.get_block_ids(chunk.req_id)
+        write, read, read_starts = [], [], []
+        for group_id, rule in enumerate(self.group_rules):
+            lo, hi = rule.key_range(start, end)
+            slots = self.kv_cache.slots(req_id=chunk.req_id, group_id=group_id,
+                                        table=tables[group_id], start=lo, end=hi)
+            read.append(slots)
+            read_starts.append(lo)
+            write.append(slots[start - lo :])
+        return _Work(chunk, row, write, read, read_starts)
+
+    def _attend_fn(self, works: list[_Work]) -> AttendFn:
+        cache, rules = self.kv_cache, self.rules
+        attention, scale = self.attention, self.model.config.attention_scale
+
+        def attend(layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> torch.Tensor:
+            group_id = cache.group_of(layer_id)
+            outputs = []
+            for work in works:
+                rows = slice(work.row, work.row + work.num_tokens)
+                cache.write(layer_id, work.write_slots[group_id], k[rows], v[rows])
+                keys, values = cache.read(layer_id, work.read_slots[group_id])
+                outputs.append(attention(q[rows], keys, values, q_start=work.start,
+                                         kv_start=work.read_starts[group_id],
+                                         rule=rules[layer_id], scale=scale))
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+        return attend
