@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from hybridkv.errors import InvariantViolation
 from hybridkv.ids import BlockHash, GroupId
 
+DEAD_QUEUE, FREE_QUEUE, PROTECTED_QUEUE, SESSION_QUEUE, PINNED_QUEUE = range(5)
+"""Free queues of a pool, in allocation (eviction) order."""
+
 
 @dataclass(slots=True, eq=False)
 class Block:
@@ -39,9 +42,25 @@ class Block:
     block_hash: BlockHash | None = None
     hash_group_id: GroupId | None = None
     is_null: bool = False
-    is_pinned: bool = False
+    queue_id: int | None = None
+    """Which free queue of the pool links the block (``None`` while held)."""
+    num_hits: int = 0
+    """Prefix hits on the block since it was cached (eviction policies read it)."""
+    parent_hash: BlockHash | None = None
+    """Full-attention hash the block's usefulness depends on (``chain`` eviction only)."""
+    is_dead: bool = False
+    """No hit can use the block any more (its full-attention prefix was evicted)."""
     prev_free: Block | None = field(default=None, repr=False)
     next_free: Block | None = field(default=None, repr=False)
+
+    @property
+    def is_pinned(self) -> bool:
+        return self.queue_id == PINNED_QUEUE
+
+    @is_pinned.setter
+    def is_pinned(self, value: bool) -> None:
+        self.queue_id = PINNED_QUEUE if value else (
+            None if self.queue_id == PINNED_QUEUE else self.queue_id)
 
     def __repr__(self) -> str:
         hashed = "" if self.block_hash is None else f", hash={self.block_hash[:4].hex()}"

@@ -31,9 +31,15 @@ from hybridkv.errors import (
     StaleHitError,
     UnknownRequestError,
 )
+from hybridkv.eviction import EvictionOptions, EvictionPolicy, parse_eviction
 from hybridkv.hashing import BlockHasher, ExtraKeys
 from hybridkv.ids import BlockHash, ReqId
-from hybridkv.policies import PrependPolicy, RetentionPolicy, make_retention_policy
+from hybridkv.policies import (
+    PrependPolicy,
+    RetentionPolicy,
+    make_retention_policy,
+    split_policy_name,
+)
 from hybridkv.pool import BlockPool
 from hybridkv.stats import PrefixCacheStats
 
@@ -84,6 +90,7 @@ class _RequestState:
     num_prompt_tokens: int
     block_hashes: list[BlockHash]
     extra_keys: ExtraKeys | None
+    session_id: str | None = None
     num_computed_tokens: int = 0
     is_running: bool = False
     num_admissions: int = 0
@@ -103,14 +110,31 @@ class KVCacheManager:
     tables cover at least its computed tokens.
     """
 
-    def __init__(self, config: CacheConfig, retention: RetentionPolicy | str = "latest") -> None:
-        policy = make_retention_policy(retention) if isinstance(retention, str) else retention
+    def __init__(self, config: CacheConfig, retention: RetentionPolicy | str = "latest",
+                 eviction: EvictionOptions | None = None) -> None:
+        if isinstance(retention, str):
+            retention_name, modifiers = split_policy_name(retention)
+            policy = make_retention_policy(retention_name)
+            if modifiers:
+                eviction = parse_eviction(modifiers)
+        else:
+            policy = retention
+        eviction = eviction or EvictionOptions()
         if not config.enable_caching:
             policy = PrependPolicy()  # nothing is hashed: every freed block is scratch
+            eviction = EvictionOptions()
         self.config = config
         self.retention = policy
-        self.pool = BlockPool(config.num_blocks, len(config.groups))
-        self.coordinator = HybridCoordinator(config, self.pool, policy)
+        self.eviction = eviction
+        self.policy_name = policy.name if eviction.name == "lru" else \
+            f"{policy.name}+{eviction.name}"
+        chain_group = next((g.group_id for g in config.groups
+                            if g.spec.kind == "full_attention"), None)
+        evictor = None if eviction.name == "lru" else \
+            EvictionPolicy(eviction, config.num_blocks, chain_group)
+        self.pool = BlockPool(config.num_blocks, len(config.groups), evictor)
+        self.coordinator = HybridCoordinator(config, self.pool, policy,
+                                             chain_group if eviction.chain else None)
         self.hasher = BlockHasher(config.hash_block_size, config.hash_algo)
         self.stats = PrefixCacheStats(
             hit_blocks_by_group=[0] * len(config.groups),
@@ -124,8 +148,10 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ requests
     def add_request(self, req_id: ReqId, prompt_token_ids: Sequence[int], *,
-                    extra_keys: ExtraKeys | None = None) -> None:
-        """Track a request and hash its prompt."""
+                    extra_keys: ExtraKeys | None = None, session_id: str | None = None,
+                    ) -> None:
+        """Track a request and hash its prompt (``session_id``: its conversation, used by
+        session-aware eviction)."""
         if req_id in self._requests:
             raise DuplicateRequestError(req_id)
         if len(prompt_token_ids) == 0:
@@ -135,7 +161,8 @@ class KVCacheManager:
         hashes = self.hasher.hash_blocks(tokens, extra_keys=extra_keys) \
             if self.config.enable_caching else []
         self.hash_seconds += time.perf_counter() - started
-        self._requests[req_id] = _RequestState(tokens, len(tokens), hashes, extra_keys)
+        self._requests[req_id] = _RequestState(tokens, len(tokens), hashes, extra_keys,
+                                               session_id=session_id)
 
     def append_token_ids(self, req_id: ReqId, token_ids: Sequence[int]) -> None:
         """Append generated tokens; blocks they complete become hashable."""
@@ -157,7 +184,7 @@ class KVCacheManager:
         """Forget a request, freeing its blocks if it still holds any."""
         state = self._state(req_id, "remove_request")
         if state.is_running:
-            self.free(req_id)
+            self._release(req_id, state, state.session_id)
         del self._requests[req_id]
 
     # ---------------------------------------------------------------- lookup
@@ -281,11 +308,13 @@ class KVCacheManager:
     def free(self, req_id: ReqId) -> None:
         """Release all blocks of a request (finish or preemption); it may be admitted again,
         recomputing from token 0 (or a new prefix hit)."""
+        self._release(req_id, self._state(req_id, "free"), None)
+
+    def _release(self, req_id: ReqId, state: _RequestState, session_id: str | None) -> None:
         started = time.perf_counter()
-        state = self._state(req_id, "free")
         if not state.is_running:
             raise DoubleFreeError(req_id)
-        self.coordinator.free(req_id)
+        self.coordinator.free(req_id, session_id)
         state.is_running = False
         state.num_computed_tokens = 0
         state.junction_tokens = 0

@@ -58,7 +58,8 @@ def replay_boundaries(num_prompt_tokens: int, alignment_tokens: int, use_eagle: 
 class HybridCoordinator:
     """Owns one ``GroupManager`` per cache group over one shared ``BlockPool``."""
 
-    def __init__(self, config: CacheConfig, pool: BlockPool, retention: RetentionPolicy) -> None:
+    def __init__(self, config: CacheConfig, pool: BlockPool, retention: RetentionPolicy,
+                 chain_group_id: GroupId | None = None) -> None:
         self.config = config
         self.pool = pool
         self.retention = retention
@@ -83,6 +84,11 @@ class HybridCoordinator:
         has_window = any(not m.is_full_attention for m in self.managers)
         retention.validate(self.alignment_tokens, has_window)
         self._releasing_managers = [m for m in self.managers if not m.is_full_attention]
+        if chain_group_id is not None:  # chain eviction: record each block's parent hash
+            chain_block_size = config.groups[chain_group_id].spec.block_size
+            for manager in self.managers:
+                manager.chain_block_size = chain_block_size
+                manager.is_chain_reference = manager.group_id == chain_group_id
         self._caps = [
             m.admission_cap_blocks(config.max_num_batched_tokens, config.max_model_len)
             for m in self.managers
@@ -203,9 +209,9 @@ class HybridCoordinator:
                     boundaries = (*boundaries, junction_tokens - manager.block_size)
             manager.cache_blocks(req_id, hashes, self.hash_block_size, cacheable, boundaries)
 
-    def free(self, req_id: ReqId) -> None:
+    def free(self, req_id: ReqId, session_id: str | None = None) -> None:
         for manager in self.managers:
-            manager.free(req_id)
+            manager.free(req_id, session_id)
 
     def holders(self) -> dict[int, int]:
         """Block id → number of block tables holding it (null excluded)."""

@@ -196,9 +196,18 @@ class PinPolicy(PrependPolicy):
         self.name = f"pin:{pin_tokens}"
 
 
+def split_policy_name(name: str) -> tuple[str, list[str]]:
+    """``"interval:32768+scan+chain"`` → ``("interval:32768", ["scan", "chain"])``."""
+    retention, *modifiers = [part.strip() for part in name.split("+")]
+    return retention, modifiers
+
+
 def make_retention_policy(name: str) -> RetentionPolicy:
     """Build a policy from its name (``dense``, ``latest``, ``interval:32768``, ``pin:4096``…)."""
-    text = name.strip()
+    text, modifiers = split_policy_name(name)
+    if modifiers:
+        raise ConfigError("policy", name, "name a retention policy alone here; eviction "
+                          "modifiers (+scan, +chain, +session) go to KVCacheManager")
     simple: dict[str, type[RetentionPolicy]] = {
         "dense": DensePolicy, "reachable": ReachablePolicy,
         "prepend": PrependPolicy, "latest": LatestPolicy,

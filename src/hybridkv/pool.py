@@ -1,63 +1,94 @@
-"""BlockPool: the fixed set of blocks, its free tiers and the hash index.
+"""BlockPool: the fixed set of blocks, its free queues and the hash index.
 
-Blocks are in exactly one place at a time: held by requests (``ref_count > 0``), in the
-normal free queue, or in the pinned free tier (``pin:T`` retention only). Freed blocks keep
-their hash and stay hittable until they are reallocated; reallocating a hashed block evicts it.
-Allocation takes from the free queue head and falls back to the oldest pinned blocks, so a
-pinned tier can never stall allocation.
+A block is held by requests (``ref_count > 0``) or linked in exactly one free queue. Freed
+blocks keep their hash and stay hittable until they are reallocated; reallocating a hashed
+block evicts it. Allocation takes blocks from the free queues in this order::
+
+    dead  →  free (scratch at the head, then LRU)  →  protected  →  session  →  pinned
+
+``dead``, ``protected`` and ``session`` are filled only by eviction policies (``chain``,
+``scan``, ``session``); ``pinned`` only by the ``pin:T`` retention policy. With the default
+``lru`` eviction every freed block goes to the one free queue, exactly as in vLLM. Since
+allocation falls through every queue, no tier can ever stall allocation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
-from hybridkv.block import Block, FreeBlockQueue
+from hybridkv.block import (
+    DEAD_QUEUE,
+    FREE_QUEUE,
+    PINNED_QUEUE,
+    PROTECTED_QUEUE,
+    SESSION_QUEUE,
+    Block,
+    FreeBlockQueue,
+)
 from hybridkv.errors import CapacityError, InvariantViolation
 from hybridkv.ids import BlockHash, GroupId
+
+if TYPE_CHECKING:
+    from hybridkv.eviction import EvictionPolicy
 
 
 class FreeTier(IntEnum):
     """Where a block whose ``ref_count`` dropped to 0 goes."""
 
-    HEAD = 0  # reused first: scratch that can never produce a hit
-    TAIL = 1  # LRU: cached blocks, evicted after everything in front of them
-    PINNED = 2  # pinned tier: reused only when the free queue is empty
+    HEAD = 0  # head of the free queue: scratch that can never produce a hit
+    TAIL = 1  # tail of the free queue: LRU (or probation under ``scan``)
+    PINNED = 2  # pinned tier: reused only when every other queue is empty
+    DEAD = 3  # reused before everything: cached, but no hit can use it any more
+    PROTECTED = 4  # ``scan``: hit at least once since cached
+    SESSION = 5  # ``session``: latest prompt of a live conversation
+
+
+_QUEUE_OF_TIER = (FREE_QUEUE, FREE_QUEUE, PINNED_QUEUE, DEAD_QUEUE, PROTECTED_QUEUE,
+                  SESSION_QUEUE)
 
 
 class BlockPool:
     """A pool of ``num_blocks`` blocks; block 0 is the reserved null block.
 
     Invariants (``check_invariants``):
-        - every non-null block is in exactly one of {held, free queue, pinned tier};
-        - a block is in a free tier ⇔ ``ref_count == 0``; pinned tier ⇔ ``is_pinned``;
+        - every non-null block is in exactly one of {held, one free queue}, and its
+          ``queue_id`` names that queue (``None`` while held);
+        - a block is in a free queue ⇔ ``ref_count == 0``;
         - ``ref_count`` equals the number of holders the managers report;
         - every hash-index entry ``(group, hash) → block`` points to a block carrying exactly
           that hash and group, and every hashed block is indexed;
         - the null block is unhashed, unlinked and has ``ref_count == 0``.
     """
 
-    def __init__(self, num_blocks: int, num_groups: int) -> None:
+    def __init__(self, num_blocks: int, num_groups: int,
+                 eviction: EvictionPolicy | None = None) -> None:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
-        self.pinned_queue = FreeBlockQueue()
+        self.queues = [FreeBlockQueue() for _ in range(5)]
+        self.free_queue = self.queues[FREE_QUEUE]
+        self.pinned_queue = self.queues[PINNED_QUEUE]
+        for block in self.blocks[1:]:
+            block.queue_id = FREE_QUEUE
+        self.free_queue.append_n(self.blocks[1:])
         # One primary block per (group, hash); extra physical copies with the same hash (two
         # requests computed the same prefix concurrently) wait in ``_duplicates`` so that
         # block tables stay append-only (no dedup).
         self._index: list[dict[BlockHash, Block]] = [{} for _ in range(num_groups)]
         self._duplicates: list[dict[BlockHash, list[Block]]] = [{} for _ in range(num_groups)]
         self.num_evicted_blocks = [0] * num_groups
+        self.eviction = eviction
         self.epoch = 0
         """Bumped by every mutation that can invalidate a lookup result."""
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free_blocks(self) -> int:
-        """Blocks allocatable now: free queue plus pinned tier (cached-but-free included)."""
-        return self.free_queue.num_blocks + self.pinned_queue.num_blocks
+        """Blocks allocatable now: every free queue (cached-but-free blocks included)."""
+        return sum(queue.num_blocks for queue in self.queues)
 
     @property
     def usage(self) -> float:
@@ -88,40 +119,43 @@ class BlockPool:
         if num_blocks <= 0:
             return []
         self.epoch += 1
-        from_queue = min(num_blocks, self.free_queue.num_blocks)
-        taken = self.free_queue.popleft_n(from_queue)
-        if from_queue < num_blocks:
-            demoted = self.pinned_queue.popleft_n(num_blocks - from_queue)
-            for block in demoted:
-                block.is_pinned = False
-            taken.extend(demoted)
+        taken: list[Block] = []
+        for queue in self.queues:
+            missing = num_blocks - len(taken)
+            if missing == 0:
+                break
+            if queue.num_blocks:
+                taken.extend(queue.popleft_n(min(missing, queue.num_blocks)))
+        for block in taken:  # unlinked first: evictions below may relink other blocks
+            block.queue_id = None
+            block.ref_count = 1
         for block in taken:
             if block.block_hash is not None:
                 self._evict(block)
-            block.ref_count = 1
         return taken
 
     def touch(self, blocks: Iterable[Block]) -> None:
-        """Take a reference on hit blocks, unlinking free ones from their tier."""
+        """Take a reference on hit blocks, unlinking free ones from their queue."""
         self.epoch += 1
+        queues = self.queues
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_count == 0:
-                if block.is_pinned:
-                    self.pinned_queue.remove(block)
-                    block.is_pinned = False
-                else:
-                    self.free_queue.remove(block)
+                assert block.queue_id is not None
+                queues[block.queue_id].remove(block)
+                block.queue_id = None
             block.ref_count += 1
+            block.num_hits += 1
 
     def free_blocks(self, blocks: Iterable[Block], scratch_tier: FreeTier,
-                    cached_tier: FreeTier) -> None:
+                    cached_tier: FreeTier, session_id: str | None = None) -> None:
         """Drop one reference on each block; blocks reaching 0 go to ``cached_tier`` if
-        they carry a hash, else to ``scratch_tier``.
+        they carry a hash (unless the eviction policy places them), else ``scratch_tier``.
 
         Within each tier the given order is kept: callers pass a request's blocks tail first,
-        so the end of a prefix chain is evicted before its beginning.
+        so the end of a prefix chain is evicted before its beginning. ``session_id`` marks
+        the release of a finished request of that session (session-aware eviction).
         """
         self.epoch += 1
         scratch: list[Block] = []
@@ -135,22 +169,33 @@ class BlockPool:
             block.ref_count = ref_count
             if ref_count == 0:
                 (scratch if block.block_hash is None else cached).append(block)
-        if scratch_tier is cached_tier:
-            scratch.extend(cached)
-            cached = []
-        for tier, released in ((scratch_tier, scratch), (cached_tier, cached)):
-            if not released:
-                continue
-            if tier is FreeTier.HEAD:
-                self.free_queue.prepend_n(released)
-            elif tier is FreeTier.TAIL:
-                self.free_queue.append_n(released)
-            else:
-                for block in released:
-                    block.is_pinned = True
-                self.pinned_queue.append_n(released)
+        if scratch:
+            self.link(scratch, scratch_tier)
+        if not cached:
+            return
+        if self.eviction is None:
+            self.link(cached, cached_tier)
+        else:
+            self.eviction.place(self, cached, cached_tier, session_id)
 
-    def cache_block(self, block: Block, block_hash: BlockHash, group_id: GroupId) -> None:
+    def link(self, blocks: list[Block], tier: FreeTier) -> None:
+        """Link free (unlinked, ``ref_count == 0``) blocks into ``tier``, keeping order."""
+        queue_id = _QUEUE_OF_TIER[tier]
+        for block in blocks:
+            block.queue_id = queue_id
+        if tier is FreeTier.HEAD:
+            self.queues[queue_id].prepend_n(blocks)
+        else:
+            self.queues[queue_id].append_n(blocks)
+
+    def move(self, block: Block, tier: FreeTier) -> None:
+        """Relink a free block into ``tier`` (eviction policies demote/promote with it)."""
+        assert block.queue_id is not None and block.ref_count == 0
+        self.queues[block.queue_id].remove(block)
+        self.link([block], tier)
+
+    def cache_block(self, block: Block, block_hash: BlockHash, group_id: GroupId,
+                    parent_hash: BlockHash | None = None) -> None:
         """Give a held, unhashed block its prefix hash so later lookups can hit it."""
         if block.block_hash is not None or block.is_null:
             raise InvariantViolation(f"cache_block({block!r}): block already hashed or null")
@@ -161,6 +206,8 @@ class BlockPool:
             self._duplicates[group_id].setdefault(block_hash, []).append(block)
         else:
             index[block_hash] = block
+        if self.eviction is not None:
+            self.eviction.on_cached(block, parent_hash)
 
     def _evict(self, block: Block) -> None:
         """Remove ``block``'s hash from the index (its KV is about to be overwritten)."""
@@ -181,29 +228,38 @@ class BlockPool:
             del self._duplicates[group_id][block_hash]
         block.block_hash = None
         block.hash_group_id = None
+        block.num_hits = 0
         self.num_evicted_blocks[group_id] += 1
+        if self.eviction is not None:
+            self.eviction.on_evicted(self, block, block_hash, group_id,
+                                     still_cached=block_hash in index)
+        block.parent_hash = None
+        block.is_dead = False
 
     # --------------------------------------------------------------- invariants
     def check_invariants(self, holders: Mapping[int, int]) -> None:
         """Verify the class invariants; ``holders`` maps block id → number of holders."""
-        queued = {b.block_id for b in self.free_queue.check_links()}
-        pinned = {b.block_id for b in self.pinned_queue.check_links()}
+        linked: dict[int, int] = {}
+        for queue_id, queue in enumerate(self.queues):
+            for block in queue.check_links():
+                if block.block_id in linked:
+                    raise InvariantViolation(f"{block!r} linked in two free queues")
+                linked[block.block_id] = queue_id
         null = self.null_block
-        if null.ref_count or null.block_hash is not None or null.block_id in queued | pinned:
+        if null.ref_count or null.block_hash is not None or null.block_id in linked:
             raise InvariantViolation("the null block was hashed, linked or referenced")
-        if queued & pinned:
-            raise InvariantViolation(f"blocks in both free tiers: {sorted(queued & pinned)}")
         for block in self.blocks[1:]:
             expected = holders.get(block.block_id, 0)
             if block.ref_count != expected:
                 raise InvariantViolation(
                     f"{block!r}: ref_count {block.ref_count} but {expected} holders"
                 )
-            is_free = block.block_id in queued or block.block_id in pinned
-            if is_free != (block.ref_count == 0):
-                raise InvariantViolation(f"{block!r}: free-tier membership {is_free}")
-            if block.is_pinned != (block.block_id in pinned):
-                raise InvariantViolation(f"{block!r}: is_pinned disagrees with the tier")
+            linked_in = linked.get(block.block_id)
+            if (linked_in is not None) != (block.ref_count == 0):
+                raise InvariantViolation(f"{block!r}: free-queue membership {linked_in}")
+            if block.queue_id != linked_in:
+                raise InvariantViolation(f"{block!r}: queue_id {block.queue_id} but linked in "
+                                         f"{linked_in}")
             if (block.block_hash is None) != (block.hash_group_id is None):
                 raise InvariantViolation(f"{block!r}: hash without group or group without hash")
         self._check_index()

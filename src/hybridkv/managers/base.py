@@ -17,6 +17,7 @@ from typing import ClassVar
 
 from hybridkv.block import Block
 from hybridkv.config import CacheGroup
+from hybridkv.eviction import ROOT_PARENT
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.policies import RetentionPolicy
 from hybridkv.pool import BlockPool, FreeTier
@@ -58,6 +59,9 @@ class GroupManager(ABC):
         self.use_eagle = use_eagle
         self.tables: dict[ReqId, list[Block]] = {}
         self.num_cached_blocks: dict[ReqId, int] = {}
+        self.chain_block_size: int | None = None
+        """Set for ``chain`` eviction: block size of the full-attention group blocks depend on."""
+        self.is_chain_reference = False
 
     # ------------------------------------------------------------------ hooks
     @classmethod
@@ -145,14 +149,32 @@ class GroupManager(ABC):
         ratio = bs // hash_block_size
         mask = self.cache_mask(num_cached, num_full, boundaries)
         pool, group_id = self.pool, self.group_id
+        chain_bs = self.chain_block_size
         for i in range(num_cached, num_full):
             block = table[i]
             if block.is_null or block.block_hash is not None:
                 continue
             if mask is not None and not mask[i - num_cached]:
                 continue
-            pool.cache_block(block, hashes[(i + 1) * ratio - 1], group_id)
+            parent = None if chain_bs is None else \
+                self._parent_hash(i, hashes, hash_block_size, chain_bs)
+            pool.cache_block(block, hashes[(i + 1) * ratio - 1], group_id, parent)
         self.num_cached_blocks[req_id] = num_full
+
+    def _parent_hash(self, block_idx: int, hashes: Sequence[BlockHash], hash_block_size: int,
+                     chain_block_size: int) -> BlockHash | None:
+        """The full-attention hash block ``block_idx`` depends on (``chain`` eviction):
+        the previous full-attention block for the reference group itself (the root for
+        block 0), else the full-attention block holding this block's last token. ``None``
+        when that block is not full yet: no aligned hit can use this block then."""
+        if self.is_chain_reference:
+            if block_idx == 0:
+                return ROOT_PARENT
+            fa_idx = block_idx - 1
+        else:
+            fa_idx = ((block_idx + 1) * self.block_size - 1) // chain_block_size
+        end = (fa_idx + 1) * (chain_block_size // hash_block_size)
+        return hashes[end - 1] if end <= len(hashes) else None
 
     def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:
         """Release blocks that left the window; their table slots become the null block.
@@ -186,13 +208,16 @@ class GroupManager(ABC):
         self.pool.free_blocks(released[:num_recent], policy.scratch_tier, FreeTier.PINNED)
         self.pool.free_blocks(released[num_recent:], policy.scratch_tier, FreeTier.TAIL)
 
-    def free(self, req_id: ReqId) -> None:
-        """Release the request's blocks, tail first (the chain end is evicted first)."""
+    def free(self, req_id: ReqId, session_id: str | None = None) -> None:
+        """Release the request's blocks, tail first (the chain end is evicted first).
+
+        ``session_id`` is set when a finished request of a conversation is released."""
         table = self.tables.pop(req_id, None)
         self.num_cached_blocks.pop(req_id, None)
         if table:
             policy = self.retention
-            self.pool.free_blocks(reversed(table), policy.scratch_tier, policy.cached_tier)
+            self.pool.free_blocks(reversed(table), policy.scratch_tier, policy.cached_tier,
+                                  session_id)
 
     def block_ids(self, req_id: ReqId) -> list[int]:
         return [b.block_id for b in self.tables.get(req_id, ())]

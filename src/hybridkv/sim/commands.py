@@ -18,7 +18,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
-from hybridkv.policies import CORE_POLICIES, make_retention_policy
+from hybridkv.eviction import parse_eviction
+from hybridkv.policies import CORE_POLICIES, make_retention_policy, split_policy_name
+from hybridkv.sim.bound import offline_optimum
 from hybridkv.sim.ceiling import infinite_cache_ceiling
 from hybridkv.sim.loaders import load_trace
 from hybridkv.sim.model import ModelShape, load_model, num_blocks_for_memory, parse_size
@@ -57,8 +59,20 @@ class Source:
         return self.workload == MICROBENCH
 
 
-def parse_policies(text: str) -> list[str]:
-    """``core`` or a comma-separated list, each validated by name."""
+ALL_RETENTIONS = ("prepend", "latest", "interval:32768")
+ALL_EVICTIONS = ("", "+scan", "+chain", "+scan+chain", "+session", "+scan+chain+session")
+
+
+def all_policies(has_sessions: bool) -> list[str]:
+    """Every retention × eviction combination worth reporting (``--policy all``): the
+    vLLM-equivalent retentions with each eviction order; session ones only for traces
+    with sessions."""
+    return [r + e for r in ALL_RETENTIONS for e in ALL_EVICTIONS
+            if has_sessions or "session" not in e]
+
+
+def parse_policies(text: str, has_sessions: bool = False) -> list[str]:
+    """``core``, ``all`` or a comma-separated list, each validated by name."""
     names = [p.strip() for p in text.split(",") if p.strip()]
     if not names:
         raise ConfigError("--policy", text, "name at least one policy, e.g. latest,prepend")
@@ -66,8 +80,12 @@ def parse_policies(text: str) -> list[str]:
     for name in names:
         if name == "core":
             expanded.extend(CORE_POLICIES)
+        elif name == "all":
+            expanded.extend(all_policies(has_sessions))
         else:
-            make_retention_policy(name)  # unknown names fail here, before any replay
+            retention, modifiers = split_policy_name(name)
+            make_retention_policy(retention)  # unknown names fail here, before any replay
+            parse_eviction(modifiers)
             expanded.append(name)
     return list(dict.fromkeys(expanded))
 
@@ -108,6 +126,10 @@ def resolve_source(args: argparse.Namespace) -> Source:
     if args.limit is not None:
         scenarios = {k: Trace(t.name, t.requests[: args.limit]) for k, t in scenarios.items()}
     return Source(name, name, scenarios, defaults)
+
+
+def _has_sessions(source: Source) -> bool:
+    return any(r.session_id is not None for t in source.scenarios.values() for r in t.requests)
 
 
 def resolve_settings(args: argparse.Namespace, source: Source) -> ReplaySettings:
@@ -204,6 +226,23 @@ def _merged(a: RunResult, b: RunResult) -> RunResult:
     return merged
 
 
+def source_bound(source: Source, config: CacheConfig) -> float | None:
+    """Offline optimum of the measured requests at this pool's token capacity."""
+    full = [g.spec.block_size for g in config.groups if g.spec.kind == "full_attention"]
+    if not full:
+        return None
+    block_size = full[0]
+    capacity_tokens = (config.num_blocks - 1) * block_size
+    prompt = hits = 0
+    for trace in source.scenarios.values():
+        bound = offline_optimum(trace, capacity_tokens, block_size, config.alignment_tokens)
+        hits += bound.hit_tokens  # the microbenchmark's fill prompts are distinct: no hits
+        prompt += bound.prompt_tokens
+        if source.is_multi_scenario:
+            prompt -= sum(r.input_length for r in trace.requests if r.tag != "replay")
+    return hits / prompt if prompt else 0.0
+
+
 def source_ceiling(source: Source, alignment_tokens: int) -> float:
     """Ceiling of the measured requests (the replay phase for the microbenchmark)."""
     prompt = hits = 0
@@ -227,10 +266,12 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
     settings = resolve_settings(args, source)
     num_blocks = resolve_pool(args.num_blocks, args.kv_memory, shape, source)
     config = make_config(shape, num_blocks, args, settings)
-    policies = parse_policies(args.policy)
+    policies = parse_policies(args.policy, _has_sessions(source))
     for policy in policies:
-        make_retention_policy(policy).validate(config.alignment_tokens, True)
+        make_retention_policy(split_policy_name(policy)[0]).validate(
+            config.alignment_tokens, True)
     ceiling = source_ceiling(source, config.alignment_tokens)
+    bound = source_bound(source, config)
     runs: list[PolicyRun] = []
     with _progress(not args.quiet) as progress:
         for policy in policies:
@@ -238,7 +279,7 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
     report = Report(source.name, shape.name, ceiling, runs, {
         "num_blocks": num_blocks, "max_running": settings.max_running,
         "chunk_size": settings.chunk_size, "hash_algo": args.hash_algo, "eagle": args.eagle,
-    })
+    }, bound)
     render_table(report, console)
     if args.json:
         report.write_json(args.json)
@@ -271,7 +312,7 @@ def cmd_sweep(args: argparse.Namespace, console: Console, err_console: Console) 
                  for m in _parse_list(args.kv_memory, "--kv-memory")]
     else:
         raise ConfigError("--num-blocks", None, "a sweep needs --num-blocks or --kv-memory lists")
-    policies = parse_policies(args.policy)
+    policies = parse_policies(args.policy, _has_sessions(source))
     rows: list[dict[str, object]] = []
     ceiling = 0.0
     with _progress(not args.quiet) as progress:

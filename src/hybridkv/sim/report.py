@@ -28,6 +28,9 @@ class Report:
     ceiling: float
     runs: list[PolicyRun]
     settings: dict[str, object] = field(default_factory=dict)
+    bound: float | None = None
+    """Offline optimum at this pool's token capacity (``hybridkv.sim.bound``); ``None``
+    for models without a full-attention group."""
 
     def to_json(self) -> dict[str, object]:
         """The ``--json`` document: ``trace``, ``model``, ``ceiling``, ``runs``."""
@@ -45,7 +48,7 @@ class Report:
                 }
             runs.append(item)
         return {"trace": self.trace, "model": self.model, "ceiling": self.ceiling,
-                "settings": self.settings, "runs": runs}
+                "bound": self.bound, "settings": self.settings, "runs": runs}
 
     def write_json(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
@@ -76,18 +79,22 @@ def _run_json(result: RunResult) -> dict[str, object]:
 def render_table(report: Report, console: Console) -> None:
     """Print the policy comparison table (best hit rate marked)."""
     table = Table(title=f"{report.trace} on {report.model}", title_justify="left")
-    for name in ("policy", "hit rate", "ceiling", "hit tokens", "prompt tokens",
+    for name in ("policy", "hit rate", "bound", "ceiling", "hit tokens", "prompt tokens",
                  "preemptions", "manager s", "wall s"):
         table.add_column(name, justify="left" if name == "policy" else "right")
     best = max((r.result.hit_rate for r in report.runs), default=0.0)
     for run in report.runs:
         r = run.result
         mark = " *" if report.runs and r.hit_rate == best and len(report.runs) > 1 else ""
-        table.add_row(f"{r.policy}{mark}", f"{100 * r.hit_rate:.2f}%",
+        bound = "n/a" if report.bound is None else f"{100 * report.bound:.2f}%"
+        table.add_row(f"{r.policy}{mark}", f"{100 * r.hit_rate:.2f}%", bound,
                       f"{100 * report.ceiling:.2f}%", f"{r.hit_tokens:,}",
                       f"{r.prompt_tokens:,}", str(r.preemptions),
                       f"{r.manager_seconds:.2f}", f"{r.wall_seconds:.2f}")
     console.print(table)
+    console.print("bound: offline optimum (Belady MIN over chained full-attention blocks at "
+                  "this pool's token capacity; ignores window KV and running requests) — "
+                  "ceiling: infinite cache. * = best policy.", style="dim")
     if any(run.fractions for run in report.runs):
         _render_fractions(report, console)
 

@@ -166,7 +166,8 @@ class Scheduler:
         manager = self.manager
         req_id = request.req_id
         if req_id not in self._registered:
-            manager.add_request(req_id, request.prompt_token_ids)
+            manager.add_request(req_id, request.prompt_token_ids,
+                                session_id=request.session_id)
             self._registered.add(req_id)
         hit = manager.find_longest_hit(req_id)
         num_tokens = manager.num_tokens(req_id)
