@@ -108,9 +108,8 @@ class EvictionPolicy:
                 dependent.is_dead = True
                 if dependent.queue_id is not None and dependent.queue_id != DEAD_QUEUE:
                     pool.move(dependent, FreeTier.DEAD)
-                if dependent.hash_group_id == self.chain_group_id and \
-                        pool.get_cached_block(dependent.block_hash, self.chain_group_id) is None:
-                    stack.append(dependent.block_hash)
+                if dependent.hash_group_id == self.chain_group_id:
+                    stack.append(dependent.block_hash)  # its own dependents die with it
 
     # ---------------------------------------------------------------- freeing
     def place(self, pool: BlockPool, blocks: list[Block], default_tier: FreeTier,
