@@ -27,23 +27,32 @@ TableEdit = Callable[[list[int], int], None]
 """Edits one group's table in place, given the request's hit length in blocks."""
 
 
+class HitLog(dict[str, int]):
+    """Per request, its latest admission's hit length (tokens); ``ever`` keeps the longest
+    hit seen across every run of the test (runs reuse request ids)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ever: dict[str, int] = {}
+
+
 @pytest.fixture
-def hit_lengths(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
-    """Records, per request, its latest admission's hit length (tokens)."""
-    lengths: dict[str, int] = {}
+def hit_lengths(monkeypatch: pytest.MonkeyPatch) -> Iterator[HitLog]:
+    log = HitLog()
     original = KVCacheManager.find_longest_hit
 
     def find_longest_hit(self: KVCacheManager, req_id: str,
                          max_num_tokens: int | None = None):  # type: ignore[no-untyped-def]
         hit = original(self, req_id, max_num_tokens)
-        lengths[req_id] = hit.num_tokens
+        log[req_id] = hit.num_tokens
+        log.ever[req_id] = max(log.ever.get(req_id, 0), hit.num_tokens)
         return hit
 
     monkeypatch.setattr(KVCacheManager, "find_longest_hit", find_longest_hit)
-    yield lengths
+    yield log
 
 
-def _corrupt(monkeypatch: pytest.MonkeyPatch, hits: dict[str, int], group_id: int,
+def _corrupt(monkeypatch: pytest.MonkeyPatch, hits: HitLog, group_id: int,
              edit: TableEdit) -> None:
     original = KVCacheManager.get_block_ids
 
@@ -70,7 +79,7 @@ def _window_group() -> int:
     return 1 if kinds[-1] == "full_attention" else 0  # full attention is planned first
 
 
-def test_correct_tables_pass(hit_lengths: dict[str, int]) -> None:
+def test_correct_tables_pass(hit_lengths: HitLog) -> None:
     report = _run()
     assert report.ok
     assert any(hit_lengths.values())
@@ -90,33 +99,33 @@ def shift_hit_blocks_by_one(table: list[int], num_hit_blocks: int) -> None:
     table[1:num_hit_blocks] = hit[:-1]
 
 
-def _assert_divergence_named(report: VerifyReport, hits: dict[str, int]) -> None:
+def _assert_divergence_named(report: VerifyReport, hits: HitLog) -> None:
     assert not report.ok
     error = report.first_divergence()
     assert isinstance(error, EquivalenceError)
     assert error.policy in ("dense", "latest")
-    assert hits.get(error.req_id, 0) > 0
-    assert error.position >= hits[error.req_id]
+    assert hits.ever.get(error.req_id, 0) > 0  # only requests with a hit can go wrong
+    assert error.position >= hits.ever[error.req_id]  # at or after the prompt end
     with pytest.raises(EquivalenceError, match=r"policy='(dense|latest)' request="):
         report.raise_on_divergence()
 
 
 def test_swapped_window_blocks_diverge(monkeypatch: pytest.MonkeyPatch,
-                                       hit_lengths: dict[str, int]) -> None:
+                                       hit_lengths: HitLog) -> None:
     """Wrong-but-written KV (no NaN, no null block): only the comparison can see it."""
     _corrupt(monkeypatch, hit_lengths, _window_group(), swap_last_two_hit_blocks)
     _assert_divergence_named(_run(), hit_lengths)
 
 
 def test_shifted_window_table_is_caught(monkeypatch: pytest.MonkeyPatch,
-                                        hit_lengths: dict[str, int]) -> None:
+                                        hit_lengths: HitLog) -> None:
     _corrupt(monkeypatch, hit_lengths, _window_group(), shift_hit_blocks_by_one)
     with pytest.raises(InvariantViolation, match="null block"):
         _run()
 
 
 def test_swapped_full_attention_blocks_are_harmless(monkeypatch: pytest.MonkeyPatch,
-                                                    hit_lengths: dict[str, int]) -> None:
+                                                    hit_lengths: HitLog) -> None:
     """Swapping two hit blocks that every later query sees in full is *not* an error:
     keys carry their rotary position, and attention sums over keys in any order."""
     def swap_first_two(table: list[int], num_hit_blocks: int) -> None:
@@ -128,7 +137,7 @@ def test_swapped_full_attention_blocks_are_harmless(monkeypatch: pytest.MonkeyPa
 
 
 def test_duplicated_full_attention_block_is_detected(monkeypatch: pytest.MonkeyPatch,
-                                                     hit_lengths: dict[str, int]) -> None:
+                                                     hit_lengths: HitLog) -> None:
     def read_block_zero_twice(table: list[int], num_hit_blocks: int) -> None:
         if num_hit_blocks >= 2:
             table[1] = table[0]
@@ -140,7 +149,7 @@ def test_duplicated_full_attention_block_is_detected(monkeypatch: pytest.MonkeyP
 
 
 def test_null_block_where_kv_is_needed_raises(monkeypatch: pytest.MonkeyPatch,
-                                              hit_lengths: dict[str, int]) -> None:
+                                              hit_lengths: HitLog) -> None:
     def drop_last_hit_block(table: list[int], num_hit_blocks: int) -> None:
         table[num_hit_blocks - 1] = 0
 
@@ -151,7 +160,7 @@ def test_null_block_where_kv_is_needed_raises(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_never_written_block_poisons_logits(monkeypatch: pytest.MonkeyPatch,
-                                            hit_lengths: dict[str, int]) -> None:
+                                            hit_lengths: HitLog) -> None:
     """A hit block that nobody computed (here: the pool's last block, never handed out)
     holds the NaN poison, so the logits turn NaN and the comparison reports infinity."""
     def point_at_unwritten_block(table: list[int], num_hit_blocks: int) -> None:
