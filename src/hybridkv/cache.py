@@ -60,6 +60,17 @@ class PrefixHit:
     blocks: tuple[tuple[Block, ...], ...]
     junction_tokens: int
     epoch: int
+    full_attention_tokens: int = 0
+    """Window-recompute plan: full-attention KV is cached up to here (``>= num_tokens``);
+    tokens ``[num_tokens, full_attention_tokens)`` are recomputed as a bridge that reads,
+    and never writes, that cached full-attention KV. Equal to ``num_tokens`` otherwise."""
+    is_window_missing: bool = False
+    """The bridge starts cold: window KV before ``num_tokens`` does not exist, so window
+    layers attend only to positions ``>= num_tokens`` while bridging."""
+
+    @property
+    def num_bridge_tokens(self) -> int:
+        return max(0, self.full_attention_tokens - self.num_tokens)
 
     @property
     def block_ids(self) -> tuple[tuple[int, ...], ...]:
@@ -84,6 +95,20 @@ class Allocation:
         return tuple(tuple(b.block_id for b in blocks) for blocks in self.new_blocks)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """The admission plan of a running request.
+
+    ``full_attention_cached_tokens``: full-attention KV below this position was a cache hit;
+    an engine must read it and never overwrite it (0 when there was no bridge).
+    ``window_floor_tokens``: when > 0, window KV before this position does not exist (a
+    cold bridge): window layers attend only to positions at or after it.
+    """
+
+    full_attention_cached_tokens: int
+    window_floor_tokens: int
+
+
 @dataclass(slots=True)
 class _RequestState:
     token_ids: list[int]
@@ -95,6 +120,8 @@ class _RequestState:
     is_running: bool = False
     num_admissions: int = 0
     junction_tokens: int = 0
+    bridge_end_tokens: int = 0
+    window_floor_tokens: int = 0
     hit_tokens_by_admission: list[int] = field(default_factory=list)
 
 
@@ -112,9 +139,13 @@ class KVCacheManager:
 
     def __init__(self, config: CacheConfig, retention: RetentionPolicy | str = "latest",
                  eviction: EvictionOptions | None = None) -> None:
+        self.recompute = False
+        """Window-recompute partial hits (policy modifier ``+recompute``)."""
         if isinstance(retention, str):
             retention_name, modifiers = split_policy_name(retention)
             policy = make_retention_policy(retention_name)
+            self.recompute = "recompute" in modifiers
+            modifiers = [m for m in modifiers if m != "recompute"]
             if modifiers:
                 eviction = parse_eviction(modifiers)
         else:
@@ -128,6 +159,8 @@ class KVCacheManager:
         self.eviction = eviction
         self.policy_name = policy.name if eviction.name == "lru" else \
             f"{policy.name}+{eviction.name}"
+        if self.recompute:
+            self.policy_name += "+recompute"
         chain_group = next((g.group_id for g in config.groups
                             if g.spec.kind == "full_attention"), None)
         evictor = None if eviction.name == "lru" else \
@@ -207,8 +240,12 @@ class KVCacheManager:
             tables, num_tokens, extra = self.coordinator.find_longest_hit(
                 state.block_hashes, limit)
             junction = num_tokens + extra if extra else 0
+            fa_tokens, missing = num_tokens, False
+            if self.recompute:
+                tables, num_tokens, fa_tokens, missing = self.coordinator.plan_recompute(
+                    tables, num_tokens)
             hit = PrefixHit(req_id, num_tokens, tuple(tuple(t) for t in tables), junction,
-                            self.pool.epoch)
+                            self.pool.epoch, fa_tokens, missing)
         self.manager_seconds += time.perf_counter() - started
         return hit
 
@@ -277,7 +314,9 @@ class KVCacheManager:
             admitting or num_computed // hb != state.num_computed_tokens // hb
         ):  # no group's full-block count changes while the tokens stay inside one hb block
             coordinator.cache_blocks(req_id, state.block_hashes, state.num_computed_tokens,
-                                     state.num_prompt_tokens, state.junction_tokens)
+                                     state.num_prompt_tokens, state.junction_tokens,
+                                     state.bridge_end_tokens if state.window_floor_tokens
+                                     else 0)
         return Allocation(num_computed, num_new_tokens, num_hit, tuple(new_blocks))
 
     def _checked_hit(self, req_id: ReqId, hit: PrefixHit | None, admitting: bool,
@@ -299,6 +338,11 @@ class KVCacheManager:
         state.num_admissions += 1
         state.is_running = True
         state.junction_tokens = hit.junction_tokens if hit is not None else 0
+        state.bridge_end_tokens = hit.full_attention_tokens if hit is not None else 0
+        state.window_floor_tokens = num_hit if hit is not None and hit.is_window_missing \
+            else 0
+        if hit is not None:
+            self.stats.record_bridge(hit.num_bridge_tokens)
         state.hit_tokens_by_admission.append(num_hit)
 
     def _cap_len(self, num_tokens: int) -> int:
@@ -318,6 +362,7 @@ class KVCacheManager:
         state.is_running = False
         state.num_computed_tokens = 0
         state.junction_tokens = 0
+        state.bridge_end_tokens = state.window_floor_tokens = 0
         self.manager_seconds += time.perf_counter() - started
 
     def new_step(self) -> None:
@@ -328,6 +373,12 @@ class KVCacheManager:
         """Per group, the request's block table (0 = null block: KV not needed)."""
         self._state(req_id, "get_block_ids")
         return tuple(tuple(m.block_ids(req_id)) for m in self.coordinator.managers)
+
+    def prefill_plan(self, req_id: ReqId) -> PrefillPlan:
+        """How the running request's KV below its computed tokens came to be (engines
+        executing a window-recompute bridge read this). Does not modify."""
+        state = self._state(req_id, "prefill_plan")
+        return PrefillPlan(state.bridge_end_tokens, state.window_floor_tokens)
 
     def num_computed_tokens(self, req_id: ReqId) -> int:
         return self._state(req_id, "num_computed_tokens").num_computed_tokens

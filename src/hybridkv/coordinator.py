@@ -23,7 +23,7 @@ from hybridkv.managers import MANAGER_FOR_SPEC, GroupManager, coarse_hashes
 from hybridkv.managers.chunked import ChunkedLocalManager
 from hybridkv.policies import RetentionPolicy
 from hybridkv.pool import BlockPool
-from hybridkv.specs import LayerSpec
+from hybridkv.specs import LayerSpec, SlidingWindowSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +84,8 @@ class HybridCoordinator:
         has_window = any(not m.is_full_attention for m in self.managers)
         retention.validate(self.alignment_tokens, has_window)
         self._releasing_managers = [m for m in self.managers if not m.is_full_attention]
+        self._last_full_attention: tuple[int, list[list[Block]]] = (0, [])
+        self._bridge_tokens = _bridge_tokens(config)
         if chain_group_id is not None:  # chain eviction: record each block's parent hash
             chain_block_size = config.groups[chain_group_id].spec.block_size
             for manager in self.managers:
@@ -147,12 +149,60 @@ class HybridCoordinator:
             hit = cur
             if simple:
                 break
+        self._last_full_attention = self._full_attention_answer(tables, answers)
         for sg in self.spec_groups:
             if sg.manager_cls.is_full_attention:
                 keep = -(-hit // sg.spec.block_size)
                 for gid in sg.group_ids:
                     del tables[gid][keep:]
         return tables, hit, longest - hit
+
+    def _full_attention_answer(self, tables: list[list[Block]], answers: dict[int, int],
+                               ) -> tuple[int, list[list[Block]]]:
+        """The full-attention groups' own (first-pass) hit and their untrimmed tables."""
+        full = [idx for idx, sg in enumerate(self.spec_groups)
+                if sg.manager_cls.is_full_attention]
+        if not full:
+            return 0, []
+        length = min(answers[idx] for idx in full)
+        return length, [list(t) for t in tables]
+
+    @property
+    def bridge_tokens(self) -> int | None:
+        """Tokens a window-recompute bridge needs: ``sum over window layers of (w - 1)``,
+        rounded up to the alignment (``None`` when the model cannot bridge: no full
+        attention, or chunked-local layers whose errors do not stay inside a window).
+
+        dsv4-bench: 43 window layers × (128 - 1) = 5,461 → 5,632 tokens (22 × 256).
+        """
+        return self._bridge_tokens
+
+    def plan_recompute(self, tables: list[list[Block]], num_hit_tokens: int,
+                       ) -> tuple[list[list[Block]], int, int, bool]:
+        """Turn an ordinary hit into a window-recompute plan (call right after
+        ``find_longest_hit``). Does not modify anything.
+
+        Returns per-group tables, the reuse point ``s``, the full-attention end ``F`` and
+        whether window KV before ``s`` is missing (a bridge that starts cold). With
+        ``F == s`` it is the ordinary hit.
+        """
+        fa_tokens, fa_tables = self._last_full_attention
+        bridge = self._bridge_tokens
+        if bridge is None or fa_tokens <= num_hit_tokens:
+            return tables, num_hit_tokens, num_hit_tokens, False
+        align = self.alignment_tokens
+        cold_start = max(0, ((fa_tokens - bridge) // align) * align)
+        start = max(num_hit_tokens, cold_start)
+        window_missing = start > num_hit_tokens
+        planned: list[list[Block]] = []
+        for manager, table in zip(self.managers, tables, strict=True):
+            if manager.is_full_attention:
+                planned.append(fa_tables[manager.group_id][: fa_tokens // manager.block_size])
+            elif window_missing:
+                planned.append([self.pool.null_block] * (start // manager.block_size))
+            else:
+                planned.append(table)
+        return planned, start, fa_tokens, window_missing
 
     # -------------------------------------------------------------- allocation
     def num_blocks_to_allocate(self, req_id: ReqId, num_tokens: int,
@@ -189,7 +239,8 @@ class HybridCoordinator:
             manager.remove_skipped_blocks(req_id, num_computed_tokens)
 
     def cache_blocks(self, req_id: ReqId, hashes: Sequence[BlockHash], num_tokens: int,
-                     num_prompt_tokens: int, junction_tokens: int) -> None:
+                     num_prompt_tokens: int, junction_tokens: int,
+                     bridge_end_tokens: int = 0) -> None:
         """Hash newly full blocks of every group, as the retention policy allows."""
         align = self.alignment_tokens
         replay: tuple[int, ...] = ()
@@ -207,7 +258,8 @@ class HybridCoordinator:
                 boundaries = (*replay, junction_tokens)
                 if manager.use_eagle:
                     boundaries = (*boundaries, junction_tokens - manager.block_size)
-            manager.cache_blocks(req_id, hashes, self.hash_block_size, cacheable, boundaries)
+            manager.cache_blocks(req_id, hashes, self.hash_block_size, cacheable, boundaries,
+                                 bridge_end_tokens)
 
     def free(self, req_id: ReqId, session_id: str | None = None) -> None:
         for manager in self.managers:
@@ -222,6 +274,16 @@ class HybridCoordinator:
                     if not block.is_null:
                         counts[block.block_id] = counts.get(block.block_id, 0) + 1
         return counts
+
+
+def _bridge_tokens(config: CacheConfig) -> int | None:
+    kinds = {g.spec.kind for g in config.groups}
+    if "full_attention" not in kinds or "chunked_local" in kinds:
+        return None
+    span = sum(len(g.layer_ids) * (g.spec.sliding_window - 1) for g in config.groups
+               if isinstance(g.spec, SlidingWindowSpec))
+    align = config.alignment_tokens
+    return -(-span // align) * align
 
 
 def _eagle_group_ids(config: CacheConfig) -> set[int]:

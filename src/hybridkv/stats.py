@@ -21,6 +21,8 @@ class PrefixCacheStats:
     preempted_requests: int = 0
     preempted_queries: int = 0
     preempted_hits: int = 0
+    bridge_tokens: int = 0
+    """Tokens recomputed by window-recompute bridges (prefill work, not hits)."""
     hit_blocks_by_group: list[int] = field(default_factory=list)
     evicted_blocks_by_group: list[int] = field(default_factory=list)
 
@@ -33,6 +35,9 @@ class PrefixCacheStats:
             self.requests += 1
             self.queries += num_tokens
             self.hits += num_hit_tokens
+
+    def record_bridge(self, num_tokens: int) -> None:
+        self.bridge_tokens += num_tokens
 
     @property
     def hit_rate(self) -> float:

@@ -82,6 +82,10 @@ class GroupManager(ABC):
         del max_num_batched_tokens, max_model_len
         return None
 
+    def bridge_tail_blocks(self) -> int:
+        """Blocks before a bridge end whose KV is exact enough to hash (window tail)."""
+        return 0
+
     def cache_mask(self, start: int, end: int, boundaries: Sequence[int]) -> list[bool] | None:
         """Which blocks of ``[start, end)`` to hash (``None``: all)."""
         del start, end, boundaries
@@ -135,16 +139,27 @@ class GroupManager(ABC):
         return new_blocks
 
     def cache_blocks(self, req_id: ReqId, hashes: Sequence[BlockHash], hash_block_size: int,
-                     num_tokens: int, boundaries: Sequence[int]) -> None:
+                     num_tokens: int, boundaries: Sequence[int],
+                     bridge_end_tokens: int = 0) -> None:
         """Hash the full blocks covering the first ``num_tokens`` computed tokens.
 
-        ``hashes`` are the request's hashes at ``hash_block_size`` granularity.
+        ``hashes`` are the request's hashes at ``hash_block_size`` granularity. A cold
+        window-recompute bridge ending at ``bridge_end_tokens`` leaves inexact window KV
+        before the tail ending there: those blocks are never hashed (a hit at an earlier
+        boundary would read them; hits at or after the bridge end read only exact KV).
         """
         num_cached = self.num_cached_blocks.get(req_id, 0)
         bs = self.block_size
         num_full = min(num_tokens, len(hashes) * hash_block_size) // bs
         if num_cached >= num_full:
             return
+        if bridge_end_tokens and not self.is_full_attention:
+            first_exact = bridge_end_tokens // bs - self.bridge_tail_blocks()
+            if num_cached < first_exact:
+                num_cached = min(first_exact, num_full)
+                self.num_cached_blocks[req_id] = num_cached
+                if num_cached >= num_full:
+                    return
         table = self.tables[req_id]
         ratio = bs // hash_block_size
         mask = self.cache_mask(num_cached, num_full, boundaries)

@@ -24,6 +24,10 @@ class SlidingWindowManager(GroupManager):
         """Tail blocks a hit needs, plus EAGLE's peek block."""
         return self.window_spec.num_tail_blocks + (1 if self.use_eagle else 0)
 
+    def bridge_tail_blocks(self) -> int:
+        # EAGLE's tail at F is [F/bs - need, F/bs + 1): it starts at the same block
+        return self.window_spec.num_tail_blocks
+
     def admission_cap_blocks(self, max_num_batched_tokens: int, max_model_len: int | None,
                              ) -> int | None:
         """``ceil(min(w - 1 + in_flight, max_len) / bs) + 1`` (the window may straddle)."""

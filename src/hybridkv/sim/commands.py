@@ -85,7 +85,7 @@ def parse_policies(text: str, has_sessions: bool = False) -> list[str]:
         else:
             retention, modifiers = split_policy_name(name)
             make_retention_policy(retention)  # unknown names fail here, before any replay
-            parse_eviction(modifiers)
+            parse_eviction([m for m in modifiers if m != "recompute"])
             expanded.append(name)
     return list(dict.fromkeys(expanded))
 
@@ -210,6 +210,7 @@ def _replay_phase_only(result: RunResult) -> RunResult:
     """Run-level numbers of a microbenchmark scenario = its replay phase."""
     phase = result.by_tag.get("replay")
     copy = RunResult(result.policy, result.num_blocks, preemptions=result.preemptions,
+                     bridge_tokens=result.bridge_tokens,
                      steps=result.steps, evicted_blocks=result.evicted_blocks,
                      manager_seconds=result.manager_seconds, hash_seconds=result.hash_seconds,
                      wall_seconds=result.wall_seconds, by_tag=dict(result.by_tag))

@@ -58,6 +58,7 @@ class RunResult:
     hit_tokens: int = 0
     preemptions: int = 0
     preempted_hit_tokens: int = 0
+    bridge_tokens: int = 0
     steps: int = 0
     evicted_blocks: int = 0
     manager_seconds: float = 0.0
@@ -72,7 +73,7 @@ class RunResult:
     def merge(self, other: RunResult) -> None:
         """Accumulate another run's counters (used for multi-scenario workloads)."""
         for name in ("requests", "prompt_tokens", "hit_tokens", "preemptions",
-                     "preempted_hit_tokens", "steps", "evicted_blocks"):
+                     "preempted_hit_tokens", "bridge_tokens", "steps", "evicted_blocks"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("manager_seconds", "hash_seconds", "wall_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -176,6 +177,7 @@ def _collect(policy: str, config: CacheConfig, manager: KVCacheManager, schedule
         policy=policy, num_blocks=config.num_blocks, requests=stats.requests,
         prompt_tokens=stats.queries, hit_tokens=stats.hits,
         preemptions=scheduler.num_preemptions, preempted_hit_tokens=stats.preempted_hits,
+        bridge_tokens=stats.bridge_tokens,
         steps=scheduler.num_steps, evicted_blocks=sum(stats.evicted_blocks_by_group),
         manager_seconds=manager.manager_seconds, hash_seconds=manager.hash_seconds,
     )

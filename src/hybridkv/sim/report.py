@@ -68,6 +68,8 @@ def _run_json(result: RunResult) -> dict[str, object]:
         "hit_rate": result.hit_rate,
         "preemptions": result.preemptions,
         "preempted_hit_tokens": result.preempted_hit_tokens,
+        "bridge_tokens": result.bridge_tokens,
+        "computed_tokens": result.prompt_tokens - result.hit_tokens,
         "steps": result.steps,
         "evicted_blocks": result.evicted_blocks,
         "manager_seconds": round(result.manager_seconds, 4),
