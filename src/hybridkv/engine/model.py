@@ -130,6 +130,16 @@ class HybridDecoder(nn.Module):
             tensor.copy_(values * scale)
         self._layer_weights = None
 
+    @torch.no_grad()
+    def converted(self, *, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> HybridDecoder:
+        """A copy of this model with its weights cast to ``dtype`` / moved to ``device``."""
+        other = HybridDecoder(self.config, dtype=dtype or self.dtype,
+                              device=device or self.device, seed=None)
+        for target, source in zip(other.parameters(), self.parameters(), strict=True):
+            target.copy_(source)
+        return other
+
     def layer_weights(self) -> list[LayerWeights]:
         if self._layer_weights is None:
             self._layer_weights = [layer.weights() for layer in self.layers

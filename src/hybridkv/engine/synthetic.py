@@ -7,7 +7,7 @@ ids themselves. Every workload is a function of ``(alignment_tokens, seed)``.
 
 >>> reqs = make_engine_workload("boundaries", alignment_tokens=8, seed=0)
 >>> [len(r.prompt_token_ids) for r in reqs][:4]
-[40, 11, 12, 13]
+[40, 12, 13, 14]
 """
 
 from __future__ import annotations
