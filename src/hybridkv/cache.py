@@ -182,17 +182,30 @@ class KVCacheManager:
     # ------------------------------------------------------------ requests
     def add_request(self, req_id: ReqId, prompt_token_ids: Sequence[int], *,
                     extra_keys: ExtraKeys | None = None, session_id: str | None = None,
-                    ) -> None:
+                    block_hashes: Sequence[BlockHash] | None = None) -> None:
         """Track a request and hash its prompt (``session_id``: its conversation, used by
-        session-aware eviction)."""
+        session-aware eviction).
+
+        ``block_hashes`` lets a caller that hashes many prompts sharing prefixes (a trace
+        replayer) pass the chain it computed with ``self.hasher`` for exactly these tokens;
+        it must hold one hash per full ``hasher.block_size`` block (checked by length).
+        """
         if req_id in self._requests:
             raise DuplicateRequestError(req_id)
         if len(prompt_token_ids) == 0:
             raise ConfigError("prompt_token_ids", [], "a request needs at least one token")
         started = time.perf_counter()
         tokens = list(prompt_token_ids)
-        hashes = self.hasher.hash_blocks(tokens, extra_keys=extra_keys) \
-            if self.config.enable_caching else []
+        num_full = len(tokens) // self.hasher.block_size
+        if not self.config.enable_caching:
+            hashes: list[BlockHash] = []
+        elif block_hashes is not None:
+            if len(block_hashes) != num_full:
+                raise ConfigError("block_hashes", f"<{len(block_hashes)} hashes>",
+                                  f"need one per full block: {num_full}")
+            hashes = list(block_hashes)
+        else:
+            hashes = self.hasher.hash_blocks(tokens, extra_keys=extra_keys)
         self.hash_seconds += time.perf_counter() - started
         self._requests[req_id] = _RequestState(tokens, len(tokens), hashes, extra_keys,
                                                session_id=session_id)

@@ -19,11 +19,12 @@ One step (``schedule``), per ``docs/replay-protocol.md``:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.cache import KVCacheManager
 from hybridkv.errors import ConfigError, RequestError
+from hybridkv.ids import BlockHash
 
 
 @dataclass(slots=True)
@@ -41,6 +42,9 @@ class SchedRequest:
     phase: int = 0
     tag: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    hash_prompt: Callable[[Sequence[int]], Sequence[BlockHash] | None] | None = None
+    """Optional: the prompt's block hashes computed by the caller with the manager's hasher
+    (a replayer memoising shared prefixes); ``None`` lets the manager hash."""
     num_admissions: int = 0
     first_hit_tokens: int | None = None
 
@@ -166,8 +170,10 @@ class Scheduler:
         manager = self.manager
         req_id = request.req_id
         if req_id not in self._registered:
-            manager.add_request(req_id, request.prompt_token_ids,
-                                session_id=request.session_id)
+            tokens = list(request.prompt_token_ids)
+            hashes = None if request.hash_prompt is None else request.hash_prompt(tokens)
+            manager.add_request(req_id, tokens, session_id=request.session_id,
+                                block_hashes=hashes)
             self._registered.add(req_id)
         hit = manager.find_longest_hit(req_id)
         num_tokens = manager.num_tokens(req_id)
