@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--paranoid", action="store_true",
                         help="check every invariant after every step (slow)")
     replay.add_argument("--quiet", action="store_true", help="no progress bar")
+    replay.add_argument("--jobs", type=int, default=1,
+                        help="replay policies in this many processes (default 1)")
 
     sweep = sub.add_parser("sweep", help="pool sizes × policies → CSV and PNG")
     _add_source_arguments(sweep)

@@ -78,11 +78,12 @@ def test_ceiling_on_a_tiny_hand_checked_trace() -> None:
     assert infinite_cache_ceiling(Trace("t", resend), alignment_tokens=4).hit_tokens == 4
 
 
-def test_replay_is_deterministic_same_json(tiny_model: Path, tmp_path: Path) -> None:
+def test_replay_is_deterministic_same_json_in_one_or_two_processes(tiny_model: Path, tmp_path: Path) -> None:
     outputs = []
     for i in range(2):
         out = tmp_path / f"run{i}.json"
-        code = main(["replay", "--workload", "agentic", "--model", str(tiny_model),
+        code = main(["replay", "--jobs", str(i + 1), "--workload", "agentic", "--model",
+                     str(tiny_model),
                      "--num-blocks", "300", "--set", "num_sessions=3", "--set", "num_turns=3",
                      "--set", "first_prompt_tokens=200", "--set", "turn_tokens=50",
                      "--set", "output_tokens=8", "--set", "length_jitter=0.3",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import multiprocessing
 import statistics
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -198,6 +199,42 @@ def run_policy(source: Source, config: CacheConfig, policy: str, settings: Repla
     return PolicyRun(total, fractions)
 
 
+_WORK: tuple[Source, CacheConfig, ReplaySettings] | None = None
+"""What forked workers replay (inherited through fork, never pickled)."""
+
+
+def _run_in_worker(policy: str) -> PolicyRun:
+    assert _WORK is not None
+    source, config, settings = _WORK
+    return run_policy(source, config, policy, settings, None)
+
+
+def run_policies(source: Source, config: CacheConfig, policies: Sequence[str],
+                 settings: ReplaySettings, *, jobs: int = 1,
+                 show_progress: bool = True) -> list[PolicyRun]:
+    """Replay every policy, in ``jobs`` forked processes when > 1 (results in order)."""
+    if jobs < 1:
+        raise ConfigError("--jobs", jobs, "must be a positive number of processes")
+    if jobs == 1 or len(policies) == 1:
+        with _progress(show_progress) as progress:
+            return [run_policy(source, config, p, settings, progress) for p in policies]
+    global _WORK  # noqa: PLW0603 - handed to forked workers without pickling the trace
+    _WORK = (source, config, settings)
+    try:
+        context = multiprocessing.get_context("fork")
+        with _progress(show_progress) as progress, context.Pool(jobs) as pool:
+            task = None if progress is None else progress.add_task(
+                f"{len(policies)} policies on {jobs} processes", total=len(policies))
+            runs: list[PolicyRun] = []
+            for run in pool.imap(_run_in_worker, policies):
+                runs.append(run)
+                if progress is not None and task is not None:
+                    progress.advance(task)
+            return runs
+    finally:
+        _WORK = None
+
+
 def _throttled(progress: Progress, task: object) -> ProgressFn:
     def update(num_finished: int, num_requests: int) -> None:
         progress.update(task, completed=num_finished)  # type: ignore[arg-type]
@@ -273,10 +310,8 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
             config.alignment_tokens, True)
     ceiling = source_ceiling(source, config.alignment_tokens)
     bound = source_bound(source, config)
-    runs: list[PolicyRun] = []
-    with _progress(not args.quiet) as progress:
-        for policy in policies:
-            runs.append(run_policy(source, config, policy, settings, progress))
+    runs = run_policies(source, config, policies, settings, jobs=args.jobs,
+                        show_progress=not args.quiet)
     report = Report(source.name, shape.name, ceiling, runs, {
         "num_blocks": num_blocks, "max_running": settings.max_running,
         "chunk_size": settings.chunk_size, "hash_algo": args.hash_algo, "eagle": args.eagle,
