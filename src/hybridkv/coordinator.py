@@ -22,7 +22,8 @@ from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers import MANAGER_FOR_SPEC, GroupManager, coarse_hashes
 from hybridkv.managers.chunked import ChunkedLocalManager
 from hybridkv.policies import RetentionPolicy
-from hybridkv.pool import BlockPool
+from hybridkv.pool import BlockPool, FreeTier
+from hybridkv.siblings import SiblingBatch
 from hybridkv.specs import LayerSpec, SlidingWindowSpec
 
 
@@ -83,7 +84,9 @@ class HybridCoordinator:
                 self.managers[gid].use_eagle = sg_eagle
         has_window = any(not m.is_full_attention for m in self.managers)
         retention.validate(self.alignment_tokens, has_window)
-        self._releasing_managers = [m for m in self.managers if not m.is_full_attention]
+        self._units = self._make_units(retention)
+        self._units_are_batches = any(isinstance(u, SiblingBatch) for u in self._units)
+        self._releasing_units = [u for u in self._units if not _is_full_attention(u)]
         self._last_full_attention: tuple[int, list[list[Block]]] = (0, [])
         self._bridge_tokens = _bridge_tokens(config)
         if chain_group_id is not None:  # chain eviction: record each block's parent hash
@@ -95,6 +98,24 @@ class HybridCoordinator:
             m.admission_cap_blocks(config.max_num_batched_tokens, config.max_model_len)
             for m in self.managers
         ]
+
+    def _make_units(self, retention: RetentionPolicy) -> list[GroupManager | SiblingBatch]:
+        """Consecutive sibling groups batched (vLLM-equivalent policies only), else one
+        unit per group, in group order."""
+        batchable = self.pool.eviction is None and retention.pin_drop_tokens is None and \
+            retention.cached_tier is not FreeTier.PINNED
+        units: list[GroupManager | SiblingBatch] = []
+        run: list[GroupManager] = []
+        for manager in [*self.managers, None]:
+            if manager is not None and run and manager.spec == run[0].spec and batchable:
+                run.append(manager)
+                continue
+            if len(run) > 1:
+                units.append(SiblingBatch(run, self.pool))
+            else:
+                units.extend(run)
+            run = [] if manager is None else [manager]
+        return units
 
     def _make_spec_groups(self) -> list[SpecGroup]:
         by_spec: dict[LayerSpec, list[GroupId]] = {}
@@ -232,11 +253,19 @@ class HybridCoordinator:
             manager.add_hit_blocks(req_id, hit_blocks, num_hit_tokens)
 
     def allocate_new_blocks(self, req_id: ReqId, num_tokens: int) -> list[list[Block]]:
-        return [m.allocate_new_blocks(req_id, num_tokens) for m in self.managers]
+        if not self._units_are_batches:
+            return [m.allocate_new_blocks(req_id, num_tokens) for m in self.managers]
+        new_blocks: list[list[Block]] = []
+        for unit in self._units:
+            if isinstance(unit, SiblingBatch):
+                new_blocks.extend(unit.allocate_new_blocks(req_id, num_tokens))
+            else:
+                new_blocks.append(unit.allocate_new_blocks(req_id, num_tokens))
+        return new_blocks
 
     def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:
-        for manager in self._releasing_managers:
-            manager.remove_skipped_blocks(req_id, num_computed_tokens)
+        for unit in self._releasing_units:
+            unit.remove_skipped_blocks(req_id, num_computed_tokens)
 
     def cache_blocks(self, req_id: ReqId, hashes: Sequence[BlockHash], num_tokens: int,
                      num_prompt_tokens: int, junction_tokens: int,
@@ -262,6 +291,13 @@ class HybridCoordinator:
                                  bridge_end_tokens)
 
     def free(self, req_id: ReqId, session_id: str | None = None) -> None:
+        if self._units_are_batches:
+            for unit in self._units:
+                if isinstance(unit, SiblingBatch):
+                    unit.free(req_id)
+                else:
+                    unit.free(req_id, session_id)
+            return
         for manager in self.managers:
             manager.free(req_id, session_id)
 
@@ -274,6 +310,11 @@ class HybridCoordinator:
                     if not block.is_null:
                         counts[block.block_id] = counts.get(block.block_id, 0) + 1
         return counts
+
+
+def _is_full_attention(unit: GroupManager | SiblingBatch) -> bool:
+    return unit.members[0].is_full_attention if isinstance(unit, SiblingBatch) \
+        else unit.is_full_attention
 
 
 def _bridge_tokens(config: CacheConfig) -> int | None:

@@ -178,6 +178,39 @@ class BlockPool:
         else:
             self.eviction.place(self, cached, cached_tier, session_id)
 
+    def free_grouped(self, lists: Sequence[Sequence[Block]], scratch_tier: FreeTier,
+                     cached_tier: FreeTier) -> None:
+        """``free_blocks`` of each list in turn, in one pass (no eviction policy): head
+        insertions of later lists land in front of earlier ones, tail insertions after."""
+        assert self.eviction is None
+        self.epoch += 1
+        head_lists: list[list[Block]] = []
+        tail: list[Block] = []
+        for blocks in lists:
+            scratch: list[Block] = []
+            cached: list[Block] = []
+            for block in blocks:
+                if block.is_null:
+                    continue
+                ref_count = block.ref_count - 1
+                if ref_count < 0:
+                    raise InvariantViolation(f"free of {block!r} whose ref_count is already 0")
+                block.ref_count = ref_count
+                if ref_count == 0:
+                    (scratch if block.block_hash is None else cached).append(block)
+            for released, tier in ((scratch, scratch_tier), (cached, cached_tier)):
+                if tier is FreeTier.HEAD:
+                    head_lists.append(released)
+                elif tier is FreeTier.TAIL:
+                    tail.extend(released)
+                elif released:  # pinned: keep exact per-group semantics
+                    self.link(released, tier)
+        head = [block for released in reversed(head_lists) for block in released]
+        if head:
+            self.link(head, FreeTier.HEAD)
+        if tail:
+            self.link(tail, FreeTier.TAIL)
+
     def link(self, blocks: list[Block], tier: FreeTier) -> None:
         """Link free (unlinked, ``ref_count == 0``) blocks into ``tier``, keeping order."""
         queue_id = _QUEUE_OF_TIER[tier]
