@@ -66,10 +66,14 @@ ALL_EVICTIONS = ("", "+scan", "+chain", "+scan+chain", "+session", "+scan+chain+
 
 def all_policies(has_sessions: bool) -> list[str]:
     """Every retention × eviction combination worth reporting (``--policy all``): the
-    vLLM-equivalent retentions with each eviction order; session ones only for traces
-    with sessions."""
-    return [r + e for r in ALL_RETENTIONS for e in ALL_EVICTIONS
-            if has_sessions or "session" not in e]
+    vLLM-equivalent retentions with each eviction order, then the sparse retentions with
+    window recompute; session ones only for traces with sessions."""
+    plain = [r + e for r in ALL_RETENTIONS for e in ALL_EVICTIONS
+             if has_sessions or "session" not in e]
+    bridged = [r + e + "+recompute" for r in ALL_RETENTIONS[1:]
+               for e in ("", "+scan", "+scan+session")
+               if has_sessions or "session" not in e]
+    return plain + bridged
 
 
 def parse_policies(text: str, has_sessions: bool = False) -> list[str]:
