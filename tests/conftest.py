@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 _COMMON = {
@@ -27,3 +28,11 @@ settings.register_profile("nightly", max_examples=5000, **_COMMON)
 settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Hypothesis touches ``mypy_extensions.TypedDict`` while printing a falsifying example;
+    # under ``filterwarnings = error`` that DeprecationWarning would replace the report of
+    # the real failure with an INTERNALERROR.
+    config.addinivalue_line(
+        "filterwarnings", "ignore:mypy_extensions.TypedDict is deprecated:DeprecationWarning")

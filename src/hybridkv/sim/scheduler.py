@@ -195,11 +195,16 @@ class Scheduler:
     def _next_eligible(self) -> SchedRequest | None:
         lowest_phase = min((p for p, n in self._unfinished_by_phase.items() if n > 0),
                            default=0)
-        for position, request in enumerate(self.waiting):
+        position = 0
+        for request in self.waiting:
+            if request.phase > lowest_phase:
+                # NOTE: behind a phase barrier it cannot be admitted now, so it must not use
+                # up the look-ahead window (an earlier-phase request queued behind enough of
+                # them would never be reached: deadlock)
+                continue
             if position >= self.lookahead_requests:
                 return None
-            if request.phase > lowest_phase:
-                continue
+            position += 1
             session = request.session_id
             if session is not None and self._active_session.get(session, request.req_id) \
                     != request.req_id:

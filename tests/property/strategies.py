@@ -1,0 +1,127 @@
+"""Shared hypothesis strategies and oracles for the property tests.
+
+``hybrid_setups()`` draws small hybrid models (1–3 groups of full / sliding-window /
+chunked-local layers, block sizes in {2, 4, 8}), a retention policy, EAGLE on/off and a
+small pool that forces eviction and refusals. ``needed_blocks`` is the reference answer to
+"which blocks of group g must a request hold to compute position p next".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+from hybridkv import (
+    CacheConfig,
+    ChunkedLocalSpec,
+    FullAttentionSpec,
+    KVCacheManager,
+    LayerSpec,
+    SlidingWindowSpec,
+)
+
+BLOCK_SIZES = (2, 4, 8)
+ALPHABET = 3  # tokens 0..2: shared prefixes and equal blocks are frequent
+POLICY_KINDS = ("dense", "reachable", "prepend", "latest", "interval", "pin")
+
+
+@dataclass(frozen=True)
+class HybridSetup:
+    layers: tuple[LayerSpec, ...]
+    num_blocks: int
+    policy: str
+    use_eagle: bool
+    eagle_group_ids: tuple[int, ...] | None
+
+    def build(self) -> KVCacheManager:
+        config = CacheConfig.from_layers(
+            self.layers, self.num_blocks, use_eagle=self.use_eagle,
+            eagle_group_ids=self.eagle_group_ids)
+        return KVCacheManager(config, self.policy)
+
+
+@st.composite
+def layer_specs(draw: st.DrawFn) -> tuple[LayerSpec, ...]:
+    """1–3 layers; identical specs are allowed (they become sibling groups of one spec)."""
+    num_layers = draw(st.integers(1, 3))
+    kinds = draw(st.lists(st.sampled_from(("full", "swa", "chunked")), min_size=num_layers,
+                          max_size=num_layers))
+    sizes = draw(st.lists(st.sampled_from(BLOCK_SIZES), min_size=num_layers,
+                          max_size=num_layers))
+    if "chunked" in kinds:
+        # a chunked-local group needs block_size == lcm of all block sizes (the largest
+        # here, since sizes are powers of two)
+        sizes = [max(sizes) if k == "chunked" else s for k, s in zip(kinds, sizes, strict=True)]
+    specs: list[LayerSpec] = []
+    for kind, bs in zip(kinds, sizes, strict=True):
+        if kind == "full":
+            specs.append(FullAttentionSpec(bs, 1))
+        elif kind == "swa":
+            # windows from 2 tokens to 3 blocks of the largest size: smaller and larger
+            # than one block (w = 1 needs no KV at all and is left out)
+            window = draw(st.integers(2, 3 * max(BLOCK_SIZES)))
+            specs.append(SlidingWindowSpec(bs, 1, window))
+        else:
+            specs.append(ChunkedLocalSpec(bs, 1, bs * draw(st.integers(1, 3))))
+    if draw(st.booleans()) and len(specs) < 3:
+        specs.append(specs[draw(st.integers(0, len(specs) - 1))])  # a sibling group
+    return tuple(specs)
+
+
+@st.composite
+def hybrid_setups(draw: st.DrawFn, *, typical_tokens: int = 24) -> HybridSetup:
+    """A model, a policy and a pool of 0.5–4 times the blocks of a ``typical_tokens``
+    request (so pools both refuse admissions and evict cached blocks)."""
+    layers = draw(layer_specs())
+    alignment = math.lcm(*(s.block_size for s in layers))
+    kind = draw(st.sampled_from(POLICY_KINDS))
+    if kind == "interval":
+        policy = f"interval:{alignment * draw(st.integers(1, 3))}"
+    elif kind == "pin":
+        policy = f"pin:{draw(st.sampled_from((2, 8, 32)))}"
+    else:
+        policy = kind
+    groups = CacheConfig.from_layers(layers, 2).groups
+    has_chunked = any(isinstance(s, ChunkedLocalSpec) for s in layers)
+    use_eagle = not has_chunked and draw(st.booleans())
+    eagle_group_ids = None
+    if use_eagle and draw(st.booleans()):
+        eagle_group_ids = tuple(sorted(draw(st.sets(
+            st.integers(0, len(groups) - 1), min_size=1, max_size=len(groups)))))
+    per_request = sum(-(-typical_tokens // g.spec.block_size) for g in groups)
+    num_blocks = 1 + draw(st.integers(max(2, per_request // 2), per_request * 4))
+    return HybridSetup(layers, num_blocks, policy, use_eagle, eagle_group_ids)
+
+
+def needed_blocks(spec: LayerSpec, num_tokens: int) -> range:
+    """Table indices whose KV computing position ``num_tokens`` next reads.
+
+    Full attention: every block before it. Sliding window: the blocks of
+    ``[p - (w - 1), p)``. Chunked local: the blocks of the current chunk before ``p``.
+    """
+    bs = spec.block_size
+    end = -(-num_tokens // bs)
+    if isinstance(spec, SlidingWindowSpec):
+        first = max(0, num_tokens - spec.sliding_window + 1)
+    elif isinstance(spec, ChunkedLocalSpec):
+        first = (num_tokens // spec.attention_chunk_size) * spec.attention_chunk_size
+    else:
+        first = 0
+    return range(min(first // bs, end), end)
+
+
+def token_lists(max_size: int) -> st.SearchStrategy[list[int]]:
+    return st.lists(st.integers(0, ALPHABET - 1), max_size=max_size)
+
+
+def extend_prefix(bases: Sequence[Sequence[int]], base_idx: int, num_dropped: int,
+                  suffix: Sequence[int], max_len: int) -> list[int]:
+    """A prompt from a prefix tree: an earlier sequence minus its last ``num_dropped``
+    tokens, plus new tokens (``base_idx`` past the last sequence starts a fresh tree)."""
+    choice = base_idx % (len(bases) + 1)
+    base = list(bases[choice]) if choice < len(bases) else []
+    tokens = base[: max(0, len(base) - num_dropped)] + list(suffix)
+    return (tokens or [0])[:max_len]

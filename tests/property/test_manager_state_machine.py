@@ -1,0 +1,370 @@
+"""Stateful model-based test of ``KVCacheManager`` with a content oracle.
+
+Random hybrid models (``strategies.hybrid_setups``) receive random request streams drawn
+from a prefix tree over a 3-token alphabet (so hits, equal blocks and duplicate hashes are
+frequent): admissions with prefix hits, chunked prefill, decode appends, lookahead slots,
+preemption (free + re-admission), removal, stale hits. After every step:
+
+- ``check_invariants()`` of the manager (pool tiers, ref counts, hash index, tables);
+- the **content oracle**: the test records, per physical block, which group and which token
+  prefix it holds — set when a request finishes computing the block's positions, cleared
+  when the block is handed out fresh. Every non-null block of every running request must
+  hold exactly the prefix its table position says, and every position the request's next
+  token reads (``strategies.needed_blocks``) must be non-null;
+- with no request running, every non-null block is back in a free tier.
+
+At each admission the hit itself is checked: a multiple of the lcm and ≤ prompt − 1, one
+table entry per block of the hit in every group, every needed block present with the right
+content (all prefix blocks for full attention, the window tail for sliding windows, the
+current chunk for chunked local) and, without EAGLE, maximal: a brute-force search over the
+pool's hash index finds no longer aligned hit. Frees are checked against the policy's free
+order (scratch to the head in reverse table order, cached blocks to the tail or the pinned
+tier).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from strategies import (
+    ALPHABET,
+    HybridSetup,
+    extend_prefix,
+    hybrid_setups,
+    needed_blocks,
+    token_lists,
+)
+
+from hybridkv import KVCacheManager, PrefixHit, StaleHitError
+from hybridkv.block import Block
+from hybridkv.hashing import BlockHasher
+from hybridkv.ids import BlockHash, GroupId
+from hybridkv.managers import coarse_hashes
+from hybridkv.pool import FreeTier
+
+MAX_PROMPT = 40
+MAX_REQUESTS = 6
+
+Content = tuple[int, tuple[int, ...]]  # (group id, token prefix the block's KV stands for)
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    manager: KVCacheManager
+    setup_: HybridSetup
+
+    @initialize(setup=hybrid_setups())
+    def init_manager(self, setup: HybridSetup) -> None:
+        self.setup_ = setup
+        self.manager = setup.build()
+        config = self.manager.config
+        self.align = config.alignment_tokens
+        self.specs = [g.spec for g in config.groups]
+        self.hasher = BlockHasher(config.hash_block_size, config.hash_algo)
+        self.content: dict[int, Content | None] = {}
+        self.sequences: dict[str, list[int]] = {}
+        self.next_id = 0
+        self.num_hits = 0
+        self.prompt_len: dict[str, int] = {}
+        self.evictions_at_admission: dict[str, int] = {}
+        self.retained: list[tuple[tuple[int, ...], int]] = []
+
+    # ------------------------------------------------------------------ helpers
+    def running(self) -> list[str]:
+        return [r for r in self.manager.request_ids if self.manager.is_running(r)]
+
+    def waiting(self) -> list[str]:
+        return [r for r in self.manager.request_ids if not self.manager.is_running(r)]
+
+    def tokens(self, req_id: str) -> list[int]:
+        return list(self.manager.token_ids(req_id))
+
+    def expected(self, group_id: int, tokens: Sequence[int], idx: int) -> Content:
+        return group_id, tuple(tokens[: (idx + 1) * self.specs[group_id].block_size])
+
+    def record_computed(self, req_id: str, start: int, end: int,
+                        new_block_ids: Sequence[Sequence[int]]) -> None:
+        """Positions [start, end) were just computed: fresh blocks forget their old content,
+        blocks that became full now hold this request's prefix."""
+        for group_ids in new_block_ids:
+            for block_id in group_ids:
+                self.content[block_id] = None
+        tokens = self.tokens(req_id)
+        self.sequences[req_id] = tokens[:end]  # computed prefixes seed later prompts
+        prompt_len = self.prompt_len[req_id]
+        if start < prompt_len <= end and self.evictions() == self.evictions_at_admission[req_id]:
+            # the whole prompt is computed and nothing was evicted meanwhile: its replay
+            # boundary must stay hittable until something is evicted
+            self.retained.append((tuple(tokens[:prompt_len]), self.evictions()))
+        for group_id, table in enumerate(self.manager.get_block_ids(req_id)):
+            bs = self.specs[group_id].block_size
+            for idx, block_id in enumerate(table):
+                if block_id and start < (idx + 1) * bs <= end:
+                    self.content[block_id] = self.expected(group_id, tokens, idx)
+
+    def check_hit(self, req_id: str, hit: PrefixHit) -> None:
+        tokens = self.tokens(req_id)
+        limit = len(tokens) - 1
+        p = hit.num_tokens
+        assert p % self.align == 0, (p, self.align)
+        assert 0 <= p <= max(limit, 0)
+        assert hit.junction_tokens == 0 or p < hit.junction_tokens <= len(tokens)
+        for group_id, (spec, table) in enumerate(zip(self.specs, hit.blocks, strict=True)):
+            assert len(table) == p // spec.block_size, (group_id, len(table), p)
+            needed = needed_blocks(spec, p)
+            for idx, block in enumerate(table):
+                if block.is_null:
+                    assert idx not in needed, f"group {group_id}: needed block {idx} is null"
+                    continue
+                assert block.hash_group_id == group_id
+                got = self.content.get(block.block_id)
+                assert got == self.expected(group_id, tokens, idx), (
+                    f"group {group_id} hit block {block.block_id} at index {idx} holds "
+                    f"{got}, request needs {self.expected(group_id, tokens, idx)}")
+        if not self.setup_.use_eagle:
+            assert p == self.brute_force_hit(tokens, limit), "hit is not maximal"
+            self.check_replay_boundary_retained(tokens, p)
+        if p:
+            self.num_hits += 1
+            event("admission with a prefix hit")
+
+    def evictions(self) -> int:
+        return sum(self.manager.pool.num_evicted_blocks)
+
+    def check_replay_boundary_retained(self, tokens: Sequence[int], num_hit: int) -> None:
+        """Every policy keeps the replay boundary of a computed prompt P (what an identical
+        resend can hit, ``floor((|P| - 1) / A) * A``) until an eviction: a request extending
+        P hits at least that far."""
+        evictions = self.evictions()
+        self.retained = [(p, n) for p, n in self.retained if n == evictions]
+        for prompt, _ in self.retained:
+            if len(tokens) >= len(prompt) and tuple(tokens[: len(prompt)]) == prompt:
+                boundary = (len(prompt) - 1) // self.align * self.align
+                assert num_hit >= boundary, (
+                    f"replay boundary {boundary} of a cached {len(prompt)}-token prompt "
+                    f"was not retained (hit {num_hit})")
+
+    def brute_force_hit(self, tokens: Sequence[int], limit: int) -> int:
+        """Largest aligned p ≤ limit whose needed blocks are all in the hash index."""
+        hashes = self.hasher.hash_blocks(tokens)
+        hb = self.hasher.block_size
+        views = [coarse_hashes(hashes, s.block_size // hb) for s in self.specs]
+        pool = self.manager.pool
+
+        def valid(p: int) -> bool:
+            return all(
+                pool.get_cached_block(BlockHash(views[g][i]), GroupId(g)) is not None
+                for g, spec in enumerate(self.specs) for i in needed_blocks(spec, p)
+            )
+
+        p = max(limit, 0) // self.align * self.align
+        while p > 0 and not valid(p):
+            p -= self.align
+        return p
+
+    def snapshot(self) -> tuple[list[int], list[int], int]:
+        pool = self.manager.pool
+        return (list(pool.free_block_ids()), [b.block_id for b in pool.pinned_queue],
+                pool.num_free_blocks)
+
+    # -------------------------------------------------------------------- rules
+    @precondition(lambda self: len(self.manager.request_ids) < MAX_REQUESTS)
+    @rule(base=st.integers(0, 10**6), num_dropped=st.integers(0, 12),
+          suffix=token_lists(16))
+    def add_request(self, base: int, num_dropped: int, suffix: list[int]) -> None:
+        tokens = extend_prefix(list(self.sequences.values()), base, num_dropped, suffix,
+                               MAX_PROMPT)
+        req_id = f"r{self.next_id}"
+        self.next_id += 1
+        self.manager.add_request(req_id, tokens)
+        self.prompt_len[req_id] = len(tokens)
+        assert self.manager.num_tokens(req_id) == len(tokens)
+
+    @precondition(lambda self: any(not self.manager.is_running(r)
+                                   for r in self.manager.request_ids))
+    @rule(pick=st.integers(0, 10**6), chunk=st.integers(1, MAX_PROMPT),
+          lookahead=st.sampled_from((0, 0, 0, 1, 3)), reserve=st.booleans())
+    def admit(self, pick: int, chunk: int, lookahead: int, reserve: bool) -> None:
+        waiting = self.waiting()
+        req_id = waiting[pick % len(waiting)]
+        hit = self.manager.find_longest_hit(req_id)
+        self.check_hit(req_id, hit)
+        num_new = min(chunk, self.manager.num_tokens(req_id) - hit.num_tokens)
+        before = self.snapshot()
+        self.evictions_at_admission[req_id] = self.evictions()
+        allocation = self.manager.allocate_slots(
+            req_id, num_new, hit, num_lookahead_tokens=lookahead, reserve_full_prompt=reserve)
+        if allocation is None:
+            event("admission refused")
+            assert not self.manager.is_running(req_id)
+            assert self.manager.get_block_ids(req_id) == ((),) * len(self.specs)
+            assert self.snapshot() == before, "a refused admission changed the pool"
+            return
+        assert allocation.num_hit_tokens == allocation.num_computed_tokens == hit.num_tokens
+        assert self.manager.num_computed_tokens(req_id) == hit.num_tokens + num_new
+        self.record_computed(req_id, hit.num_tokens, hit.num_tokens + num_new,
+                             allocation.new_block_ids)
+
+    @precondition(lambda self: any(self.manager.is_running(r)
+                                   for r in self.manager.request_ids))
+    @rule(pick=st.integers(0, 10**6), chunk=st.integers(1, MAX_PROMPT),
+          decode=st.lists(st.integers(0, ALPHABET - 1), min_size=1, max_size=2),
+          lookahead=st.sampled_from((0, 0, 1, 2)))
+    def step(self, pick: int, chunk: int, decode: list[int], lookahead: int) -> None:
+        running = self.running()
+        req_id = running[pick % len(running)]
+        computed = self.manager.num_computed_tokens(req_id)
+        if computed == self.manager.num_tokens(req_id):
+            self.manager.append_token_ids(req_id, decode)  # decode (or accepted drafts)
+        num_new = min(chunk, self.manager.num_tokens(req_id) - computed)
+        lengths = [len(t) for t in self.manager.get_block_ids(req_id)]
+        allocation = self.manager.allocate_slots(req_id, num_new,
+                                                 num_lookahead_tokens=lookahead)
+        if allocation is None:
+            event("running step refused")
+            assert self.manager.num_computed_tokens(req_id) == computed
+            assert [len(t) for t in self.manager.get_block_ids(req_id)] == lengths
+            return
+        assert allocation.num_hit_tokens == 0 and allocation.num_computed_tokens == computed
+        self.record_computed(req_id, computed, computed + num_new, allocation.new_block_ids)
+
+    @precondition(lambda self: any(self.manager.is_running(r)
+                                   for r in self.manager.request_ids))
+    @rule(pick=st.integers(0, 10**6), remove=st.booleans())
+    def preempt_or_finish(self, pick: int, remove: bool) -> None:
+        running = self.running()
+        req_id = running[pick % len(running)]
+        managers = self.manager.coordinator.managers
+        tables = [list(m.tables[req_id]) for m in managers]
+        if remove:
+            self.manager.remove_request(req_id)
+        else:
+            self.manager.free(req_id)
+            assert self.manager.num_computed_tokens(req_id) == 0
+        self.check_free_order(tables)
+
+    def check_free_order(self, tables: list[list[Block]]) -> None:
+        """Blocks released by a free, per the policy's tiers: head-tier blocks lead the free
+        queue (later groups first, each group tail-first); tail-tier blocks end the free
+        queue and pinned ones the pinned queue. Within the tail, hashed blocks keep the
+        tail-first order (the end of a prefix chain is evicted first) and so do unhashed
+        ones; how the two classes interleave is the pool's choice."""
+        kind = self.setup_.policy.split(":")[0]
+        scratch_tier = FreeTier.TAIL if kind in ("dense", "reachable") else FreeTier.HEAD
+        cached_tier = FreeTier.PINNED if kind == "pin" else FreeTier.TAIL
+        head: list[int] = []
+        tail: list[Block] = []
+        pinned: list[int] = []
+        for table in tables:
+            released = [b for b in reversed(table) if not b.is_null and b.ref_count == 0]
+            tiers = [(b, cached_tier if b.block_hash is not None else scratch_tier)
+                     for b in released]
+            head = [b.block_id for b, tier in tiers if tier is FreeTier.HEAD] + head
+            tail += [b for b, tier in tiers if tier is FreeTier.TAIL]
+            pinned += [b.block_id for b, tier in tiers if tier is FreeTier.PINNED]
+        free_ids, pinned_ids, _ = self.snapshot()
+        assert free_ids[: len(head)] == head
+        tail_ids = free_ids[len(free_ids) - len(tail):]
+        assert sorted(tail_ids) == sorted(b.block_id for b in tail)
+        for is_hashed in (True, False):
+            expected = [b.block_id for b in tail if (b.block_hash is not None) == is_hashed]
+            assert [i for i in tail_ids if i in expected] == expected
+        assert pinned_ids[len(pinned_ids) - len(pinned):] == pinned
+
+    @rule(pick=st.integers(0, 10**6))
+    def evict_a_free_cached_block(self, pick: int) -> None:
+        """Drop the hash of one free cached block, as reallocating it would (white box:
+        ``BlockPool._evict`` is what ``allocate`` calls on a reused hashed block). Groups
+        then retain different blocks, which exercises the multi-group fixed point."""
+        pool = self.manager.pool
+        cached = [b for b in pool.blocks if b.ref_count == 0 and b.block_hash is not None]
+        if cached:
+            pool._evict(cached[pick % len(cached)])
+
+    @precondition(lambda self: len(self.manager.request_ids) > 0)
+    @rule(pick=st.integers(0, 10**6))
+    def remove_waiting(self, pick: int) -> None:
+        waiting = self.waiting()
+        if waiting:
+            self.manager.remove_request(waiting[pick % len(waiting)])
+
+    @precondition(lambda self: any(not self.manager.is_running(r)
+                                   for r in self.manager.request_ids)
+                  and any(self.manager.is_running(r) for r in self.manager.request_ids))
+    @rule(pick=st.integers(0, 10**6))
+    def stale_hit_is_refused(self, pick: int) -> None:
+        """A non-empty hit looked up before another request's allocation changed the pool
+        is refused."""
+        waiting, running = self.waiting(), self.running()
+        req_id = waiting[pick % len(waiting)]
+        other = running[pick % len(running)]
+        hit = self.manager.find_longest_hit(req_id)
+        epoch = self.manager.pool.epoch
+        computed = self.manager.num_computed_tokens(other)
+        if computed < self.manager.num_tokens(other):
+            allocation = self.manager.allocate_slots(other, 1)
+            if allocation is not None:
+                self.record_computed(other, computed, computed + 1, allocation.new_block_ids)
+        if self.manager.pool.epoch == epoch or not (hit.num_tokens or any(hit.blocks)):
+            return  # an empty hit holds no blocks, so it cannot be stale
+        try:
+            self.manager.allocate_slots(req_id, 1, hit)
+        except StaleHitError:
+            pass
+        else:
+            raise AssertionError("a stale PrefixHit was accepted")
+        assert not self.manager.is_running(req_id)
+
+    # --------------------------------------------------------------- invariants
+    @invariant()
+    def manager_invariants(self) -> None:
+        self.manager.check_invariants()
+
+    @invariant()
+    def tables_hold_the_right_content(self) -> None:
+        for req_id in self.running():
+            tokens = self.tokens(req_id)
+            computed = self.manager.num_computed_tokens(req_id)
+            for group_id, table in enumerate(self.manager.get_block_ids(req_id)):
+                spec = self.specs[group_id]
+                for idx in needed_blocks(spec, computed):
+                    assert table[idx] != 0, (
+                        f"{req_id} group {group_id}: block {idx} is needed at {computed}")
+                for idx, block_id in enumerate(table):
+                    if block_id and (idx + 1) * spec.block_size <= computed:
+                        got = self.content.get(block_id)
+                        assert got == self.expected(group_id, tokens, idx), (
+                            f"{req_id} group {group_id} index {idx}: block {block_id} "
+                            f"holds {got}")
+
+    @invariant()
+    def idle_pool_is_all_free(self) -> None:
+        if not self.running():
+            pool = self.manager.pool
+            assert pool.num_free_blocks == pool.num_blocks - 1
+
+    def teardown(self) -> None:
+        manager = getattr(self, "manager", None)
+        if manager is None:
+            return
+        if sum(manager.pool.num_evicted_blocks):
+            event("cached blocks were evicted")
+        if self.num_hits >= 3:
+            event("three or more hits")
+        for req_id in list(manager.request_ids):
+            manager.remove_request(req_id)
+        manager.check_invariants()
+        assert manager.pool.num_free_blocks == manager.pool.num_blocks - 1
+
+
+TestManagerStateMachine = ManagerMachine.TestCase
+# long runs: hits need earlier requests to have computed (and kept) shared prefixes
+TestManagerStateMachine.settings = settings(stateful_step_count=200)
