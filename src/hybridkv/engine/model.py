@@ -11,9 +11,8 @@ Per layer (``x`` is the residual stream)::
     x = x + norm_post_attn(attend(q, k, v) @ W_o)
     x = x + norm_post_ffn(down(gelu_tanh(gate(h')) * up(h'))),  h' = norm_pre_ffn(x)
 
-RMSNorm scales by ``1 + w``. In float32/float64 it is computed exactly in that dtype; for
-16-bit activations one fused ``rms_norm`` runs in the activation dtype with ``1 + w``
-rounded to it (one rounding more than Gemma's float32 reference: a fast-path choice).
+The memory-bound pieces (norms, rotary, gated activation) come from ``engine.pointwise``:
+eager by default, fused kernels after ``use_compiled_pointwise()`` (the CUDA fast path).
 """
 
 from __future__ import annotations
@@ -27,18 +26,11 @@ from torch import nn
 from torch.nn import functional as nnf
 
 from hybridkv.engine.model_config import ModelConfig
-from hybridkv.engine.rope import apply_rope, rope_tables
+from hybridkv.engine.pointwise import EAGER_OPS, PointwiseOps, compiled_ops
+from hybridkv.engine.rope import rope_tables
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``attend(layer_id, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]``."""
-
-
-def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / rms(x) * (1 + weight)`` over the last dimension."""
-    shape = (x.shape[-1],)
-    if x.dtype in (torch.float32, torch.float64):
-        return nnf.rms_norm(x, shape, eps=eps) * (1.0 + weight.to(x.dtype))
-    return nnf.rms_norm(x, shape, weight=(1.0 + weight.float()).to(x.dtype), eps=eps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +105,7 @@ class HybridDecoder(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.zeros_like(self.embed), requires_grad=False)
         self._layer_weights: list[LayerWeights] | None = None
+        self.ops: PointwiseOps = EAGER_OPS
         if seed is not None:
             self.randomize(seed)
 
@@ -140,6 +133,11 @@ class HybridDecoder(nn.Module):
             target.copy_(source)
         return other
 
+    def use_compiled_pointwise(self) -> None:
+        """Fuse norms, rotary and the gated activation with ``torch.compile`` (numerics:
+        Gemma's float32 formulas, see ``engine.pointwise``)."""
+        self.ops = compiled_ops()
+
     def layer_weights(self) -> list[LayerWeights]:
         if self._layer_weights is None:
             self._layer_weights = [layer.weights() for layer in self.layers
@@ -166,7 +164,7 @@ class HybridDecoder(nn.Module):
                                                        strict=True)):
             cos, sin = ropes["full_attention" if kind == "full_attention" else "local"]
             x = self._layer(layer_id, x, weights, cos, sin, attend)
-        h = gemma_rms_norm(x.index_select(0, logit_rows), self.final_norm, cfg.rms_norm_eps)
+        h = self.ops.norm(x.index_select(0, logit_rows), self.final_norm, cfg.rms_norm_eps)
         head = self.lm_head if self.lm_head is not None else self.embed
         logits = nnf.linear(h, head)
         if cfg.final_logit_softcapping is not None:
@@ -179,19 +177,17 @@ class HybridDecoder(nn.Module):
         cfg = self.config
         eps = cfg.rms_norm_eps
         num_tokens, hd = x.shape[0], cfg.head_dim
-        h = gemma_rms_norm(x, w.input_norm, eps)
+        ops = self.ops
+        h = ops.norm(x, w.input_norm, eps)
         q, k, v = torch.split(nnf.linear(h, w.qkv),
                               [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd],
                               dim=-1)
-        q = apply_rope(gemma_rms_norm(q.reshape(num_tokens, cfg.num_heads, hd), w.q_norm, eps),
-                       cos, sin)
-        k = apply_rope(gemma_rms_norm(k.reshape(num_tokens, cfg.num_kv_heads, hd), w.k_norm,
-                                      eps), cos, sin)
+        q = ops.norm_rope(q.reshape(num_tokens, cfg.num_heads, hd), w.q_norm, eps, cos, sin)
+        k = ops.norm_rope(k.reshape(num_tokens, cfg.num_kv_heads, hd), w.k_norm, eps, cos, sin)
         v = v.reshape(num_tokens, cfg.num_kv_heads, hd)
         out = attend(layer_id, q, k, v)
-        attn = nnf.linear(out.reshape(num_tokens, cfg.num_heads * hd), w.o_proj)
-        x = x + gemma_rms_norm(attn, w.post_attn_norm, eps)
-        gate, up = nnf.linear(gemma_rms_norm(x, w.pre_ffn_norm, eps), w.gate_up).chunk(2, dim=-1)
-        mlp = nnf.linear(nnf.gelu(gate, approximate="tanh") * up, w.down)
-        return x + gemma_rms_norm(mlp, w.post_ffn_norm, eps)
-
+        x = ops.add_norm(x, nnf.linear(out.reshape(num_tokens, cfg.num_heads * hd), w.o_proj),
+                         w.post_attn_norm, eps)
+        mlp = nnf.linear(ops.gated_gelu(nnf.linear(ops.norm(x, w.pre_ffn_norm, eps),
+                                                   w.gate_up)), w.down)
+        return ops.add_norm(x, mlp, w.post_ffn_norm, eps)
