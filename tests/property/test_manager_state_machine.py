@@ -74,8 +74,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.num_hits = 0
         self.prompt_len: dict[str, int] = {}
+        self.hit_at_admission: dict[str, int] = {}
+        self.lifetime: dict[str, int] = {}
+        self.num_admissions = 0
         self.evictions_at_admission: dict[str, int] = {}
-        self.retained: list[tuple[tuple[int, ...], int]] = []
+        # (computed tokens, boundaries the policy must keep hittable, evictions at admission)
+        self.retained: dict[int, tuple[tuple[int, ...], list[int], int]] = {}
 
     # ------------------------------------------------------------------ helpers
     def running(self) -> list[str]:
@@ -99,11 +103,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.content[block_id] = None
         tokens = self.tokens(req_id)
         self.sequences[req_id] = tokens[:end]  # computed prefixes seed later prompts
-        prompt_len = self.prompt_len[req_id]
-        if start < prompt_len <= end and self.evictions() == self.evictions_at_admission[req_id]:
-            # the whole prompt is computed and nothing was evicted meanwhile: its replay
-            # boundary must stay hittable until something is evicted
-            self.retained.append((tuple(tokens[:prompt_len]), self.evictions()))
+        self.retained[self.lifetime[req_id]] = (
+            tuple(tokens[:end]), self.guaranteed_boundaries(req_id, end),
+            self.evictions_at_admission[req_id])
         for group_id, table in enumerate(self.manager.get_block_ids(req_id)):
             bs = self.specs[group_id].block_size
             for idx, block_id in enumerate(table):
@@ -131,7 +133,7 @@ class ManagerMachine(RuleBasedStateMachine):
                     f"{got}, request needs {self.expected(group_id, tokens, idx)}")
         if not self.setup_.use_eagle:
             assert p == self.brute_force_hit(tokens, limit), "hit is not maximal"
-            self.check_replay_boundary_retained(tokens, p)
+            self.check_retention(tokens, p)
         if p:
             self.num_hits += 1
             event("admission with a prefix hit")
@@ -139,18 +141,40 @@ class ManagerMachine(RuleBasedStateMachine):
     def evictions(self) -> int:
         return sum(self.manager.pool.num_evicted_blocks)
 
-    def check_replay_boundary_retained(self, tokens: Sequence[int], num_hit: int) -> None:
-        """Every policy keeps the replay boundary of a computed prompt P (what an identical
-        resend can hit, ``floor((|P| - 1) / A) * A``) until an eviction: a request extending
-        P hits at least that far."""
+    def guaranteed_boundaries(self, req_id: str, num_computed: int) -> list[int]:
+        """Aligned positions in [hit, computed] where this request's lifetime left a hit for
+        every group, by the retention policy's definition (no EAGLE): the hit point itself;
+        every multiple of A (``dense``, ``reachable``, ``prepend``, ``pin``), of N
+        (``interval:N``) and the prompt's replay boundary (``interval``, ``latest``).
+        Earlier positions relied on blocks of other requests, which may be gone."""
+        hit, align = self.hit_at_admission[req_id], self.align
+        kind, _, arg = self.setup_.policy.partition(":")
+        step = int(arg) if kind == "interval" else align
+        replay = (self.prompt_len[req_id] - 1) // align * align
+        boundaries = [hit] if hit else []
+        if kind != "latest":
+            boundaries += [b for b in range(step, num_computed + 1, step) if b >= hit]
+        if kind in ("interval", "latest") and hit <= replay <= num_computed:
+            boundaries.append(replay)
+        return boundaries
+
+    def check_retention(self, tokens: Sequence[int], num_hit: int) -> None:
+        """Until an eviction, every guaranteed boundary of an earlier request that this
+        request shares is hit (the policy really kept those window tails hashed)."""
         evictions = self.evictions()
-        self.retained = [(p, n) for p, n in self.retained if n == evictions]
-        for prompt, _ in self.retained:
-            if len(tokens) >= len(prompt) and tuple(tokens[: len(prompt)]) == prompt:
-                boundary = (len(prompt) - 1) // self.align * self.align
-                assert num_hit >= boundary, (
-                    f"replay boundary {boundary} of a cached {len(prompt)}-token prompt "
-                    f"was not retained (hit {num_hit})")
+        self.retained = {k: v for k, v in self.retained.items() if v[2] == evictions}
+        limit = len(tokens) - 1
+        for computed, boundaries, _ in self.retained.values():
+            shared = 0
+            for a, b in zip(computed, tokens, strict=False):
+                if a != b:
+                    break
+                shared += 1
+            reachable = [b for b in boundaries if b <= min(shared, limit)]
+            if reachable:
+                assert num_hit >= max(reachable), (
+                    f"policy {self.setup_.policy}: boundary {max(reachable)} of an earlier "
+                    f"request was not retained (hit {num_hit})")
 
     def brute_force_hit(self, tokens: Sequence[int], limit: int) -> int:
         """Largest aligned p ≤ limit whose needed blocks are all in the hash index."""
@@ -200,6 +224,9 @@ class ManagerMachine(RuleBasedStateMachine):
         num_new = min(chunk, self.manager.num_tokens(req_id) - hit.num_tokens)
         before = self.snapshot()
         self.evictions_at_admission[req_id] = self.evictions()
+        self.hit_at_admission[req_id] = hit.num_tokens
+        self.num_admissions += 1
+        self.lifetime[req_id] = self.num_admissions
         allocation = self.manager.allocate_slots(
             req_id, num_new, hit, num_lookahead_tokens=lookahead, reserve_full_prompt=reserve)
         if allocation is None:

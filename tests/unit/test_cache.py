@@ -631,3 +631,35 @@ def test_queries() -> None:
     assert manager.usage == pytest.approx(2 / 39)
     manager.new_step()
     assert manager.manager_seconds > 0
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+def test_dsv4_like_masks_through_the_manager(eagle: bool) -> None:
+    """§3.4 DSV4 rows end to end: full bs256 + SWA bs64 w128 + C4 bs4 w8 + C128 bs8 w128
+    (A = 256), 1024 tokens under ``reachable``: SWA keeps i%4 ≥ 2, C4 i%64 ≥ 62 (with EAGLE
+    also the block after each boundary), C128 i%32 ≥ 16 (need 16 + 1 ≥ per 32 stays sparse
+    with EAGLE: (i-1)%32 ≥ 15). A resend hits 768 without EAGLE."""
+    layers = [FullAttentionSpec(256, 1), SlidingWindowSpec(64, 1, 128),
+              SlidingWindowSpec(4, 1, 8), SlidingWindowSpec(8, 1, 128)]
+    manager = build(layers, 420, "reachable", use_eagle=eagle)
+    tokens = list(range(1024))
+    prefill(manager, "r", tokens)
+    shift = 1 if eagle else 0
+    expected = {
+        1: {i for i in range(16) if i >= shift and (i - shift) % 4 >= 2 - shift},
+        2: {i for i in range(256) if i >= shift and (i - shift) % 64 >= 62 - shift},
+        3: {i for i in range(128) if i >= shift and (i - shift) % 32 >= 16 - shift},
+    }
+    if not eagle:
+        assert expected[2] == {62, 63, 126, 127, 190, 191, 254, 255}
+    else:
+        assert expected[2] == {62, 63, 64, 126, 127, 128, 190, 191, 192, 254, 255}
+    for group_id, kept in expected.items():
+        assert hashed(manager, group_id, "r") == kept, group_id
+    assert hashed(manager, 0, "r") == {0, 1, 2, 3}
+    if not eagle:
+        manager.free("r")
+        manager.add_request("resend", tokens)
+        hit = manager.find_longest_hit("resend")
+        assert hit.num_tokens == 768
+        assert [len(t) for t in hit.block_ids] == [3, 12, 192, 96]
