@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from hybridkv.engine.attention import AttentionRule, sdpa_attention
+
+DEFAULT_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                         SDPBackend.MATH)
 
 RECOMPILE_LIMIT = 64
 """Compiled variants allowed (one per shape bucket and rule); past it dynamo would fall
@@ -72,12 +76,17 @@ class FlexAttention:
         block: the mask's block size (tokens, both axes).
         compile: compile the kernel (``False`` runs flex's unfused reference path, for
             tests of the mask construction on CPU).
+        sdpa_backends: the SDPA kernels allowed for full layers and short chunks. cuDNN is
+            left out by default: it builds an execution plan for every new shape, and
+            prompt lengths never repeat (stalls of ~1 s were seen on an H200).
     """
 
-    def __init__(self, *, min_tokens: int = 1024, block: int = 128, compile: bool = True) -> None:
+    def __init__(self, *, min_tokens: int = 1024, block: int = 128, compile: bool = True,
+                 sdpa_backends: Sequence[SDPBackend] = DEFAULT_SDPA_BACKENDS) -> None:
         self.min_tokens = min_tokens
         self.block = block
         self.compiled = compile
+        self.sdpa_backends = list(sdpa_backends)
         kernel = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
         self._kernel = cast(Callable[..., torch.Tensor], kernel)
         self._mask_key: tuple[object, ...] | None = None
@@ -86,8 +95,9 @@ class FlexAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int,
                  kv_start: int, rule: AttentionRule, scale: float) -> torch.Tensor:
         if rule.kind == "full_attention" or q.shape[0] < self.min_tokens:
-            return sdpa_attention(q, k, v, q_start=q_start, kv_start=kv_start, rule=rule,
-                                  scale=scale)
+            with sdpa_kernel(self.sdpa_backends):
+                return sdpa_attention(q, k, v, q_start=q_start, kv_start=kv_start, rule=rule,
+                                      scale=scale)
         layout = self._layout(q.shape[0], k.shape[0], q_start, kv_start, rule)
         num_heads, num_kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
         query = q.new_zeros((1, num_heads, layout.padded_q, dim))
