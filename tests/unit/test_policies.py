@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv import CORE_POLICIES, ConfigError, make_retention_policy
+from hybridkv import (
+    CORE_POLICIES,
+    CacheConfig,
+    ConfigError,
+    FullAttentionSpec,
+    KVCacheManager,
+    make_retention_policy,
+)
 from hybridkv.block import Block
 from hybridkv.policies import (
     DensePolicy,
@@ -202,3 +209,19 @@ def test_interval_must_be_a_positive_multiple_of_the_alignment(interval: int) ->
     example = int(text.rsplit("e.g. ", 1)[1])
     assert example > 0 and example % 32 == 0
     IntervalPolicy(64).validate(32, True)
+
+
+def test_interval_on_a_full_attention_only_model() -> None:
+    """§6.1 items 44–45: vLLM accepts R=0 but rejects R>0 when no sliding-window group
+    exists. We deliberately accept every policy on such a model (so one policy list can be
+    swept over any model): full attention ignores retention and hashes every block. The
+    alignment check still applies."""
+    config = CacheConfig.from_layers([FullAttentionSpec(16, 1)], 10)
+    for name in ("latest", "interval:16", "interval:64"):
+        manager = KVCacheManager(config, name)
+        manager.add_request("r", list(range(40)))
+        manager.allocate_slots("r", 40, manager.find_longest_hit("r"))
+        table = manager.coordinator.managers[0].tables["r"]
+        assert [b.block_hash is not None for b in table] == [True, True, False]
+    with pytest.raises(ConfigError, match="multiple of the hit alignment 16"):
+        KVCacheManager(config, "interval:24")
