@@ -487,7 +487,8 @@ def section_check(b: Bench) -> None:
     tokens = min(setup.lengths[0], 8192)
     prompt = random_prompt(tokens, setup.config.vocab_size, seed=1)
     wide = b.ours.converted(dtype=torch.float32)
-    small = Setup(**{**setup.__dict__, "num_blocks": 4 * tokens // setup.block_size + 64})
+    small = Setup(**{**setup.__dict__,
+                     "num_blocks": setup.config.num_layers * (tokens // setup.block_size + 2) + 16})
     runner = engine_runner(small, wide, "latest", False, None, sdpa_attention,
                            record_logits=True)
     ref = runner.run([SchedRequest("c", prompt, 1)]).records["c"].sampled_logits[0]
