@@ -1,0 +1,292 @@
+"""Differential check: hybridkv's cache manager vs vLLM 0.33.0's, request by request.
+
+Both managers are driven by hybridkv's own closed-loop ``Scheduler`` (replay protocol v1,
+``shared/docs/replay-protocol.md``) over the same requests: prompts expanded with
+``hybridkv.sim.trace.expand_prompt``, outputs drawn as globally unique ids. vLLM's side is
+``bench/vllm_adapter.VllmManager`` (vLLM's ``KVCacheManager`` + ``Request`` objects, sha256
+block hashes at the gcd of the group block sizes, ``full_sequence_must_fit`` admission gate,
+``max_in_flight_tokens`` = chunk size). For each policy (ours → vLLM retention interval:
+``prepend`` → None, ``latest`` → 0, ``interval:N`` → N) it reports the hit tokens each request
+got at its first admission on both sides, the mismatches, both aggregate hit rates, the
+seconds spent inside each manager in the same process, and whether the two sequences of
+*all* lookups (refused admissions and re-admissions after preemption included) are identical.
+``--no-admission-gate`` (with a small pool and a high ``--max-running``) over-admits so that
+preemption, free and re-admission paths are compared too.
+
+Needs the interpreter built by ``bench/setup_vllm.sh`` (vLLM is not a hybridkv dependency)::
+
+    .venv-vllm/bin/python bench/compare_vllm.py \\
+        --trace /work/shared/traces/mooncake_synthetic/synthetic_trace.jsonl \\
+        --model dsv4-bench --num-blocks 18481 --policy prepend,latest,interval:32768 \\
+        --json out/compare_vllm_dsv4.json
+
+Exit status: 0 when every request and lookup matched, 1 on any mismatch, 2 when vLLM is not
+importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, overload
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hybridkv.cache import KVCacheManager
+from hybridkv.config import CacheConfig
+from hybridkv.sim.loaders import load_trace
+from hybridkv.sim.model import load_model
+from hybridkv.sim.scheduler import SchedRequest, Scheduler
+from hybridkv.sim.trace import OUTPUT_TOKEN_BASE, Trace, TraceRequest, expand_prompt
+
+REFERENCE_HIT_RATES: dict[tuple[str, int, str, int, str], float] = {
+    # replay-protocol.md "Reference numbers": vLLM 0.33.0 under protocol v1, in percent.
+    # key: (trace file stem, requests, model, num_blocks, policy)
+    **{("synthetic_trace", 3993, "dsv4-bench", 5681, p): v
+       for p, v in (("prepend", 8.19), ("latest", 10.36), ("interval:32768", 13.21))},
+    **{("synthetic_trace", 3993, "dsv4-bench", 18481, p): v
+       for p, v in (("prepend", 20.86), ("latest", 25.32), ("interval:32768", 31.61))},
+    **{("synthetic_trace", 3993, "dsv4-bench", 258097, p): v
+       for p, v in (("prepend", 65.08), ("latest", 53.17), ("interval:32768", 58.41))},
+    **{("synthetic_trace", 3993, "gemma3-bench", 103505, p): v
+       for p, v in (("prepend", 5.00), ("latest", 5.98), ("interval:32768", 9.87))},
+    **{("synthetic_trace", 3993, "gemma3-bench", 308305, p): v
+       for p, v in (("prepend", 13.09), ("latest", 15.99), ("interval:32768", 23.74))},
+}
+MAX_LISTED_MISMATCHES = 20
+
+
+
+
+class _Prompt(Sequence[int]):
+    """Prompt ids expanded on use (the managers copy them once, at registration)."""
+
+    __slots__ = ("_index", "_request")
+
+    def __init__(self, request: TraceRequest, index: int) -> None:
+        self._request = request
+        self._index = index
+
+    def __len__(self) -> int:
+        return self._request.input_length
+
+    @overload
+    def __getitem__(self, idx: int) -> int: ...
+    @overload
+    def __getitem__(self, idx: slice) -> Sequence[int]: ...
+    def __getitem__(self, idx: int | slice) -> int | Sequence[int]:
+        return expand_prompt(self._request, self._index)[idx]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(expand_prompt(self._request, self._index))
+
+
+@dataclass(slots=True)
+class SideResult:
+    """One manager's run of one policy."""
+
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+    requests: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    manager_seconds: float = 0.0
+    hash_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    first_hits: dict[str, int] = field(default_factory=dict)
+    lookups: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k not in ("first_hits", "lookups")}
+        out["lookups"] = len(self.lookups)
+        out["hit_rate"] = self.hit_rate
+        return out
+
+
+def run_side(manager: Any, trace: Trace, args: argparse.Namespace, label: str) -> SideResult:
+    """Replay ``trace`` through ``manager`` with hybridkv's scheduler (protocol v1)."""
+    started = time.perf_counter()
+    lookups: list[tuple[str, int]] = []
+    find_longest_hit = manager.find_longest_hit
+
+    def logged_lookup(req_id: str, *rest: Any, **kwargs: Any) -> Any:
+        hit = find_longest_hit(req_id, *rest, **kwargs)
+        lookups.append((req_id, hit.num_tokens))
+        return hit
+
+    manager.find_longest_hit = logged_lookup  # every lookup, refused admissions included
+    scheduler = Scheduler(manager, max_running=args.max_running, chunk_size=args.chunk_size,
+                          reserve_full_prompt=not args.no_admission_gate)
+    requests: list[SchedRequest] = []
+    for index, request in enumerate(trace.requests):
+        sched = SchedRequest(request.request_id, _Prompt(request, index),
+                             max(1, request.output_length), session_id=request.session_id,
+                             phase=request.phase, tag=request.tag)
+        requests.append(sched)
+        scheduler.add_request(sched)
+    fixed = {r.request_id: r.output_token_ids for r in trace.requests if r.output_token_ids}
+    next_unique = OUTPUT_TOKEN_BASE
+    finished = 0
+    last_report = started
+    while scheduler.has_unfinished:
+        plan = scheduler.schedule()
+        if not plan.chunks:
+            raise RuntimeError(f"{label}: no progress at step {scheduler.num_steps}")
+        sampled: dict[str, int] = {}
+        for chunk in plan.chunks:
+            if not chunk.samples:
+                continue
+            sched = scheduler.requests[chunk.req_id]
+            position = len(sched.output_token_ids)
+            predetermined = fixed.get(chunk.req_id)
+            if predetermined is not None and position < len(predetermined):
+                sampled[chunk.req_id] = predetermined[position]
+            else:
+                sampled[chunk.req_id] = next_unique
+                next_unique += 1
+        finished += len(scheduler.update(plan, sampled))
+        now = time.perf_counter()
+        if now - last_report > 60:
+            last_report = now
+            print(f"  [{label}] {finished}/{len(requests)} finished, step {scheduler.num_steps}, "
+                  f"{now - started:.0f}s", file=sys.stderr, flush=True)
+    result = SideResult(preemptions=scheduler.num_preemptions, steps=scheduler.num_steps,
+                        manager_seconds=manager.manager_seconds,
+                        hash_seconds=manager.hash_seconds, lookups=lookups)
+    for sched in requests:
+        hit = sched.first_hit_tokens or 0
+        result.first_hits[sched.req_id] = hit
+        result.hit_tokens += hit
+        result.prompt_tokens += len(sched.prompt_token_ids)
+        result.requests += 1
+    result.wall_seconds = time.perf_counter() - started
+    return result
+
+
+def compare_policy(trace: Trace, config: CacheConfig, policy: str, args: argparse.Namespace,
+                   ) -> dict[str, Any]:
+    """Run both managers under one policy and diff their first-admission hits."""
+    from vllm_adapter import VllmManager, retention_interval
+
+    ours = run_side(KVCacheManager(config, policy), trace, args, f"hybridkv {policy}")
+    theirs = run_side(VllmManager(config, policy), trace, args, f"vllm {policy}")
+    mismatches = [
+        {"request_id": rid, "index": idx, "prompt_tokens": trace.requests[idx].input_length,
+         "hybridkv": ours.first_hits[rid], "vllm": theirs.first_hits[rid]}
+        for idx, rid in enumerate(r.request_id for r in trace.requests)
+        if ours.first_hits[rid] != theirs.first_hits[rid]
+    ]
+    divergence = next(
+        ({"lookup": i, "request_id": a[0], "hybridkv": a[1], "vllm_request_id": b[0],
+          "vllm": b[1]}
+         for i, (a, b) in enumerate(zip(ours.lookups, theirs.lookups, strict=False)) if a != b),
+        None)
+    if divergence is None and len(ours.lookups) != len(theirs.lookups):
+        divergence = {"lookup": min(len(ours.lookups), len(theirs.lookups)),
+                      "note": "one side made more lookups"}
+    key = (Path(trace.source or trace.name).stem, len(trace), args.model, args.num_blocks,
+           policy)
+    reference = None if args.no_admission_gate else REFERENCE_HIT_RATES.get(key)
+    return {
+        "policy": policy,
+        "vllm_retention_interval": retention_interval(policy),
+        "requests": len(trace),
+        "mismatches": len(mismatches),
+        "first_mismatches": mismatches[:MAX_LISTED_MISMATCHES],
+        "lookup_sequences_identical": divergence is None,
+        "first_lookup_divergence": divergence,
+        "hybridkv": ours.summary(),
+        "vllm": theirs.summary(),
+        "manager_seconds_ratio_vllm_over_hybridkv": (
+            theirs.manager_seconds / ours.manager_seconds if ours.manager_seconds else None),
+        "reference_hit_rate_percent": reference,
+        "vllm_matches_reference": (None if reference is None
+                                   else round(100 * theirs.hit_rate, 2) == reference),
+    }
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    ours, theirs = row["hybridkv"], row["vllm"]
+    ref = row["reference_hit_rate_percent"]
+    ref_text = "" if ref is None else (
+        f"  reference {ref:.2f}% ({'match' if row['vllm_matches_reference'] else 'DIFFERS'})")
+    ratio = row["manager_seconds_ratio_vllm_over_hybridkv"]
+    same = "identical" if row["lookup_sequences_identical"] else \
+        f"DIVERGE at {row['first_lookup_divergence']}"
+    print(f"{row['policy']:>16}  requests {row['requests']}  mismatches {row['mismatches']}  "
+          f"lookups {ours['lookups']}/{theirs['lookups']} {same}  "
+          f"hit hybridkv {100 * ours['hit_rate']:.2f}% vllm {100 * theirs['hit_rate']:.2f}%"
+          f"{ref_text}")
+    print(f"{'':>16}  manager s: hybridkv {ours['manager_seconds']:.2f} vllm "
+          f"{theirs['manager_seconds']:.2f} (vllm/hybridkv {ratio:.2f}x)  preemptions "
+          f"{ours['preemptions']}/{theirs['preemptions']}  steps {ours['steps']}/"
+          f"{theirs['steps']}", flush=True)
+    for mm in row["first_mismatches"]:
+        print(f"{'':>18}{mm['request_id']} (#{mm['index']}, {mm['prompt_tokens']} tokens): "
+              f"hybridkv {mm['hybridkv']} vllm {mm['vllm']}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", required=True, help="trace file or directory")
+    parser.add_argument("--model", required=True, help="preset name or model .toml")
+    parser.add_argument("--num-blocks", type=int, required=True,
+                        help="pool size including the null block (same for both)")
+    parser.add_argument("--policy", default="prepend,latest,interval:32768",
+                        help="comma-separated hybridkv policies")
+    parser.add_argument("--limit", type=int, default=None, help="first N requests only")
+    parser.add_argument("--max-running", type=int, default=16)
+    parser.add_argument("--chunk-size", type=int, default=8192)
+    parser.add_argument("--no-admission-gate", action="store_true",
+                        help="admit on the first chunk only (vLLM full_sequence_must_fit=False): "
+                             "over-admits, so preemption and re-admission get exercised")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    try:
+        import vllm
+    except ImportError as err:
+        print(f"vLLM is not importable ({err}); run bench/setup_vllm.sh and use its python",
+              file=sys.stderr)
+        return 2
+    trace = load_trace(args.trace, limit=args.limit)
+    config = load_model(args.model).cache_config(args.num_blocks,
+                                                 max_num_batched_tokens=args.chunk_size)
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    print(f"trace {trace.name} ({len(trace)} requests), model {args.model}, "
+          f"{args.num_blocks} blocks, vllm {vllm.__version__}", flush=True)
+    rows = []
+    for policy in policies:
+        rows.append(compare_policy(trace, config, policy, args))
+        _print_row(rows[-1])
+        if args.json is not None:
+            _write_json(args, trace, rows, vllm.__version__)
+    return 1 if any(row["mismatches"] or not row["lookup_sequences_identical"]
+                    for row in rows) else 0
+
+
+def _write_json(args: argparse.Namespace, trace: Trace, rows: list[dict[str, Any]],
+                vllm_version: str) -> None:
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "trace": str(args.trace), "requests": len(trace), "model": args.model,
+        "num_blocks": args.num_blocks, "max_running": args.max_running,
+        "chunk_size": args.chunk_size, "admission_gate": not args.no_admission_gate,
+        "vllm_version": vllm_version,
+        "python": platform.python_version(), "machine": platform.machine(),
+        "date": time.strftime("%Y-%m-%d"), "results": rows,
+    }
+    args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
