@@ -3,7 +3,7 @@ PY ?= python
 .PHONY: install lint type test prop engine check bench demo
 
 install:
-	$(PY) -m pip install -e ".[dev,engine]"
+	$(PY) -m pip install -e ".[test]"
 
 lint:
 	ruff check src tests bench
