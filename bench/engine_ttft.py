@@ -147,7 +147,7 @@ def build_models(setup: Setup, use_hf: bool) -> tuple[HybridDecoder, Any, str]:
             torch.manual_seed(0)
             with torch.device(setup.device):
                 hf = Gemma3ForCausalLM(hf_text_config(setup.config))
-            hf = hf.to(setup.dtype).eval()
+            hf = hf_cast(hf.eval(), setup.dtype)
             with torch.no_grad():  # HF initialises norms to 0; make (1 + w) matter
                 for name, param in hf.named_parameters():
                     if "norm" in name:
@@ -161,6 +161,18 @@ def build_models(setup: Setup, use_hf: bool) -> tuple[HybridDecoder, Any, str]:
     else:
         note = "HF skipped"
     return HybridDecoder(setup.config, dtype=setup.dtype, device=setup.device, seed=0), None, note
+
+
+def hf_cast(hf: Any, dtype: torch.dtype) -> Any:
+    """``hf.to(dtype)`` that keeps the rotary ``inv_freq`` buffers in float32, as
+    ``from_pretrained(dtype=...)`` does; casting them to bf16 shifts every rotary angle
+    (2^-9 relative: ~15 rad at position 8k) and made HF's logits 10% off its own float32."""
+    saved = {name: buf.float().clone() for name, buf in hf.named_buffers() if "inv_freq" in name}
+    hf = hf.to(dtype)
+    for name, buf in saved.items():
+        module, attr = name.rsplit(".", 1)
+        setattr(hf.get_submodule(module), attr, buf)
+    return hf
 
 
 def hf_forward(hf: Any, ids: torch.Tensor, impl: str) -> torch.Tensor:
@@ -501,9 +513,9 @@ def section_check(b: Bench) -> None:
     if b.hf is not None:
         ids = torch.tensor([prompt], device=setup.device)
         check["hf_sdpa"] = rel_err(hf_forward(b.hf, ids, "sdpa"), ref)
-        b.hf.float()
+        b.hf = hf_cast(b.hf, torch.float32)
         check["hf_fp32_vs_ours_fp32"] = rel_err(hf_forward(b.hf, ids, "sdpa"), ref)
-        b.hf.to(setup.dtype)
+        b.hf = hf_cast(b.hf, setup.dtype)
     if setup.device.type == "cuda":
         torch.cuda.empty_cache()
     b.results["hf_check"] = check

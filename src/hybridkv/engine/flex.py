@@ -34,6 +34,7 @@ from hybridkv.engine.attention import AttentionRule, sdpa_attention
 
 DEFAULT_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                          SDPBackend.MATH)
+LONG_FULL_BACKENDS = (SDPBackend.CUDNN_ATTENTION, *DEFAULT_SDPA_BACKENDS)
 
 RECOMPILE_LIMIT = 64
 """Compiled variants allowed (one per shape bucket and rule); past it dynamo would fall
@@ -76,17 +77,22 @@ class FlexAttention:
         block: the mask's block size (tokens, both axes).
         compile: compile the kernel (``False`` runs flex's unfused reference path, for
             tests of the mask construction on CPU).
-        sdpa_backends: the SDPA kernels allowed for full layers and short chunks. cuDNN is
-            left out by default: it builds an execution plan for every new shape, and
-            prompt lengths never repeat (stalls of ~1 s were seen on an H200).
+        sdpa_backends: SDPA kernels for short chunks and decode (any layer kind). cuDNN is
+            left out by default: stalls of ~1 s per new short shape were seen on an H200
+            with it allowed.
+        long_full_backends: SDPA kernels for full-attention chunks of ``min_tokens`` or more;
+            cuDNN first (2.4x PyTorch's flash kernel at head_dim 256 on an H200, and no
+            stalls were seen for long shapes).
     """
 
     def __init__(self, *, min_tokens: int = 1024, block: int = 128, compile: bool = True,
-                 sdpa_backends: Sequence[SDPBackend] = DEFAULT_SDPA_BACKENDS) -> None:
+                 sdpa_backends: Sequence[SDPBackend] = DEFAULT_SDPA_BACKENDS,
+                 long_full_backends: Sequence[SDPBackend] = LONG_FULL_BACKENDS) -> None:
         self.min_tokens = min_tokens
         self.block = block
         self.compiled = compile
         self.sdpa_backends = list(sdpa_backends)
+        self.long_full_backends = list(long_full_backends)
         kernel = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
         self._kernel = cast(Callable[..., torch.Tensor], kernel)
         self._mask_key: tuple[object, ...] | None = None
@@ -95,7 +101,8 @@ class FlexAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int,
                  kv_start: int, rule: AttentionRule, scale: float) -> torch.Tensor:
         if rule.kind == "full_attention" or q.shape[0] < self.min_tokens:
-            with sdpa_kernel(self.sdpa_backends):
+            long_full = rule.kind == "full_attention" and q.shape[0] >= self.min_tokens
+            with sdpa_kernel(self.long_full_backends if long_full else self.sdpa_backends):
                 return sdpa_attention(q, k, v, q_start=q_start, kv_start=kv_start, rule=rule,
                                       scale=scale)
         layout = self._layout(q.shape[0], k.shape[0], q_start, kv_start, rule)
