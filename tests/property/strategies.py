@@ -43,10 +43,26 @@ class HybridSetup:
         return KVCacheManager(config, self.policy)
 
 
+def layer_specs() -> st.SearchStrategy[tuple[LayerSpec, ...]]:
+    """Random layer mixes, or (as often) a typical hybrid whose window groups have smaller
+    blocks than the hit alignment, which is where sparse retention masks apply."""
+    return st.one_of(random_layer_specs(), typical_hybrid_specs())
+
+
 @st.composite
-def layer_specs(draw: st.DrawFn) -> tuple[LayerSpec, ...]:
+def typical_hybrid_specs(draw: st.DrawFn) -> tuple[LayerSpec, ...]:
+    full_bs = draw(st.sampled_from((4, 8)))
+    specs: list[LayerSpec] = [FullAttentionSpec(full_bs, 1)]
+    for _ in range(draw(st.integers(1, 2))):
+        bs = draw(st.sampled_from([b for b in BLOCK_SIZES if b < full_bs]))
+        specs.append(SlidingWindowSpec(bs, 1, draw(st.integers(2, 2 * full_bs))))
+    return tuple(specs)
+
+
+@st.composite
+def random_layer_specs(draw: st.DrawFn) -> tuple[LayerSpec, ...]:
     """1–3 layers; identical specs are allowed (they become sibling groups of one spec)."""
-    num_layers = draw(st.integers(1, 3))
+    num_layers = draw(st.sampled_from((1, 2, 2, 3, 3)))  # mostly hybrid
     kinds = draw(st.lists(st.sampled_from(("full", "swa", "chunked")), min_size=num_layers,
                           max_size=num_layers))
     sizes = draw(st.lists(st.sampled_from(BLOCK_SIZES), min_size=num_layers,
@@ -61,8 +77,9 @@ def layer_specs(draw: st.DrawFn) -> tuple[LayerSpec, ...]:
             specs.append(FullAttentionSpec(bs, 1))
         elif kind == "swa":
             # windows from 2 tokens to 3 blocks of the largest size: smaller and larger
-            # than one block (w = 1 needs no KV at all and is left out)
-            window = draw(st.integers(2, 3 * max(BLOCK_SIZES)))
+            # than one block, small ones favoured (they make sparse retention masks);
+            # w = 1 needs no KV at all and is left out
+            window = draw(st.integers(2, 9) | st.integers(2, 3 * max(BLOCK_SIZES)))
             specs.append(SlidingWindowSpec(bs, 1, window))
         else:
             specs.append(ChunkedLocalSpec(bs, 1, bs * draw(st.integers(1, 3))))
@@ -77,7 +94,7 @@ def hybrid_setups(draw: st.DrawFn, *, typical_tokens: int = 24) -> HybridSetup:
     request (so pools both refuse admissions and evict cached blocks)."""
     layers = draw(layer_specs())
     alignment = math.lcm(*(s.block_size for s in layers))
-    kind = draw(st.sampled_from(POLICY_KINDS))
+    kind = POLICY_KINDS[draw(st.integers(0, 10**6)) % len(POLICY_KINDS)]  # ~uniform
     if kind == "interval":
         policy = f"interval:{alignment * draw(st.integers(1, 3))}"
     elif kind == "pin":
@@ -86,7 +103,7 @@ def hybrid_setups(draw: st.DrawFn, *, typical_tokens: int = 24) -> HybridSetup:
         policy = kind
     groups = CacheConfig.from_layers(layers, 2).groups
     has_chunked = any(isinstance(s, ChunkedLocalSpec) for s in layers)
-    use_eagle = not has_chunked and draw(st.booleans())
+    use_eagle = not has_chunked and draw(st.integers(0, 2)) == 0
     eagle_group_ids = None
     if use_eagle and draw(st.booleans()):
         eagle_group_ids = tuple(sorted(draw(st.sets(

@@ -103,9 +103,11 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.content[block_id] = None
         tokens = self.tokens(req_id)
         self.sequences[req_id] = tokens[:end]  # computed prefixes seed later prompts
+        boundaries = self.guaranteed_boundaries(req_id, end)
         self.retained[self.lifetime[req_id]] = (
-            tuple(tokens[:end]), self.guaranteed_boundaries(req_id, end),
-            self.evictions_at_admission[req_id])
+            tuple(tokens[:end]), boundaries, self.evictions_at_admission[req_id])
+        if not self.setup_.use_eagle:
+            self.check_boundaries_hashed(req_id, [b for b in boundaries if start <= b <= end])
         for group_id, table in enumerate(self.manager.get_block_ids(req_id)):
             bs = self.specs[group_id].block_size
             for idx, block_id in enumerate(table):
@@ -157,6 +159,19 @@ class ManagerMachine(RuleBasedStateMachine):
         if kind in ("interval", "latest") and hit <= replay <= num_computed:
             boundaries.append(replay)
         return boundaries
+
+    def check_boundaries_hashed(self, req_id: str, boundaries: Sequence[int]) -> None:
+        """Right after caching, every block a guaranteed boundary needs carries a hash (the
+        retention policy's mask kept it), whatever happens to it later."""
+        managers = self.manager.coordinator.managers
+        for b in boundaries:
+            for group_id, spec in enumerate(self.specs):
+                table = managers[group_id].tables[req_id]
+                for idx in needed_blocks(spec, b):
+                    block = table[idx]
+                    assert not block.is_null and block.block_hash is not None, (
+                        f"policy {self.setup_.policy}: group {group_id} block {idx} is needed "
+                        f"at boundary {b} but was not hashed")
 
     def check_retention(self, tokens: Sequence[int], num_hit: int) -> None:
         """Until an eviction, every guaranteed boundary of an earlier request that this
@@ -357,11 +372,21 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def tables_hold_the_right_content(self) -> None:
+        """Needed blocks are held, full blocks hold their prefix, and a block carries a
+        hash only once full, and then the hash of the prefix it holds."""
+        managers = self.manager.coordinator.managers
         for req_id in self.running():
             tokens = self.tokens(req_id)
             computed = self.manager.num_computed_tokens(req_id)
+            hashes = self.hasher.hash_blocks(tokens)
             for group_id, table in enumerate(self.manager.get_block_ids(req_id)):
                 spec = self.specs[group_id]
+                view = coarse_hashes(hashes, spec.block_size // self.hasher.block_size)
+                for idx, block in enumerate(managers[group_id].tables[req_id]):
+                    if block.block_hash is not None:
+                        assert (idx + 1) * spec.block_size <= computed, (
+                            f"{req_id} group {group_id}: block {idx} hashed before it is full")
+                        assert block.block_hash == view[idx] and block.hash_group_id == group_id
                 for idx in needed_blocks(spec, computed):
                     assert table[idx] != 0, (
                         f"{req_id} group {group_id}: block {idx} is needed at {computed}")
