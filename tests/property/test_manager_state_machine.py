@@ -20,6 +20,13 @@ current chunk for chunked local) and, without EAGLE, maximal: a brute-force sear
 pool's hash index finds no longer aligned hit. Frees are checked against the policy's free
 order (scratch to the head in reverse table order, cached blocks to the tail or the pinned
 tier).
+
+Retention (without EAGLE): right after each allocation, every block that a boundary the
+policy promises to keep needs carries its hash (every multiple of the lcm for ``dense``,
+``reachable``, ``prepend``, ``pin:T``; multiples of N and the prompt's replay boundary for
+``interval:N``; the replay boundary for ``latest``), and until the next eviction a later
+request sharing that prefix hits at least that far. A held block carries a hash only once
+it is full, and then exactly the hash of the prefix it holds.
 """
 
 from __future__ import annotations
