@@ -340,21 +340,32 @@ def test_swa_free_split_keeps_cached_tail_behind_scratch() -> None:
     assert manager.find_longest_hit("again").num_tokens == 64
 
 
-def test_window_blocks_released_while_running_go_to_the_head() -> None:
-    """Under prepend, unhashed window blocks released by a running request are reused
-    before the cached tails of a finished request."""
-    manager = build([FULL32, SWA8], 40)
-    prefill(manager, "old", distinct_blocks(64))
+@pytest.mark.parametrize(("policy", "queue", "num_hit"), [
+    ("prepend", [9, 8, 7, 5, 4, 3, 2, 1, 10, 6], 64),  # tails {3, 7} = ids 6, 10 survive
+    ("latest", [10, 9, 8, 7, 5, 4, 3, 2, 1, 6], 32),  # only the replay tail (id 6) is kept
+    ("reachable", None, 0),  # scratch is not put first: the old prefix is evicted
+    ("dense", None, 0),
+])
+def test_scratch_first_protects_cached_tails(policy: str, queue: list[int] | None,
+                                             num_hit: int) -> None:
+    """Pool of exactly one 64-token request (full bs32 + SWA bs8 w8). After it is freed, a
+    new request runs 40 tokens in steps of 8 (working set: 2 full + 2 SWA blocks, window
+    blocks released as it goes). With scratch blocks first in the queue (prepend, latest)
+    the new request lives off them and the old request's cached blocks still hit; with
+    everything appended the new request's first allocations evict the old prefix."""
+    manager = build([FULL32, SWA8], 11, policy)
+    old = distinct_blocks(64)
+    prefill(manager, "old", old)
     manager.free("old")
-    cached = {b.block_id for t in manager.coordinator.managers[1].tables.values() for b in t}
-    assert cached == set()
-    manager.add_request("new", list(range(500, 600)))
-    manager.allocate_slots("new", 40, manager.find_longest_hit("new"))
-    manager.allocate_slots("new", 8)  # releases SWA blocks 0..3 (skipped(40) = 33)
-    released = manager.pool.free_block_ids()[:4]
-    assert all(manager.pool.blocks[b].block_hash is None for b in released)
-    manager.add_request("again", [*distinct_blocks(64), 5])
-    assert manager.find_longest_hit("again").num_tokens == 64
+    if queue is not None:
+        assert manager.pool.free_block_ids() == queue
+    manager.add_request("new", list(range(500, 540)))
+    assert manager.allocate_slots("new", 8, manager.find_longest_hit("new")) is not None
+    for _ in range(4):
+        assert manager.allocate_slots("new", 8) is not None
+        manager.check_invariants()
+    manager.add_request("again", [*old, 5])
+    assert manager.find_longest_hit("again").num_tokens == num_hit
 
 
 # -------------------------------------------------------------- admission cap
