@@ -1,0 +1,48 @@
+"""``bench/engine_ttft.py --quick`` runs on the CPU (tiny model, tiny WEKA-format trace)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _write_trace(directory: Path) -> None:
+    """One conversation of three turns, each re-sending the previous prompt."""
+    requests, ids = [], list(range(1, 500))
+    for turn in range(3):
+        num_blocks = 470 + 10 * turn
+        requests.append({"t": turn, "type": "n", "in": num_blocks * 64 + 5, "out": 3,
+                         "hash_ids": ids[:num_blocks]})
+    data = {"id": "trace_9999", "block_size": 64, "hash_id_scope": "local",
+            "requests": requests}
+    with gzip.open(directory / "trace_9999.json.gz", "wt") as handle:
+        json.dump(data, handle)
+
+
+def test_quick_bench_runs_on_cpu(tmp_path: Path) -> None:
+    traces, out = tmp_path / "traces", tmp_path / "out"
+    traces.mkdir()
+    _write_trace(traces)
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "engine_ttft.py"), "--quick", "--cpu", "--no-hf",
+         "--trace-dir", str(traces), "--conversations", "1", "--policies", "latest,dense",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    results = json.loads((out / "engine_ttft.json").read_text())
+    assert [row["tokens"] for row in results["prefill"]] == [256, 512]
+    replay = {row["policy"]: row for row in results["replay"]}
+    assert set(replay) == {"caching off", "latest", "dense"}
+    assert replay["caching off"]["hit_rate"] == 0.0
+    assert replay["latest"]["hit_tokens"] > 0
+    assert (out / "engine_ttft.md").read_text().startswith("Device: ")
