@@ -16,14 +16,12 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-_COMMON = {
-    "deadline": None,  # stateful steps vary a lot in cost; time limits live in the tests
-    "suppress_health_check": [HealthCheck.too_slow],
-}
+# no deadline: stateful steps vary a lot in cost; the tests bound their own work
+_COMMON = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-settings.register_profile("dev", max_examples=100, **_COMMON)
-settings.register_profile("ci", max_examples=300, derandomize=True, **_COMMON)
-settings.register_profile("nightly", max_examples=5000, **_COMMON)
+settings.register_profile("dev", _COMMON, max_examples=100)
+settings.register_profile("ci", _COMMON, max_examples=300, derandomize=True)
+settings.register_profile("nightly", _COMMON, max_examples=5000)
 
 settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")

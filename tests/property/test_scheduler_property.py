@@ -30,7 +30,8 @@ def workloads(draw: st.DrawFn) -> tuple[tuple[LayerSpec, ...], list[SchedRequest
     prompts: list[list[int]] = []
     requests: list[SchedRequest] = []
     for idx in range(num_requests):
-        if prompts and draw(st.integers(0, 3)):  # mostly share a prefix with an earlier one
+        share: int = draw(st.integers(0, 3))  # mostly share a prefix with an earlier prompt
+        if prompts and share:
             base = prompts[draw(st.integers(0, len(prompts) - 1))]
             prompt = base[: draw(st.integers(len(base) // 2, len(base)))]
         else:

@@ -219,7 +219,7 @@ def spy_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
     for cls in (FullAttentionManager, SlidingWindowManager):
         original = cls.__dict__["find_longest_hit"].__func__
 
-        def wrapper(klass: type, pool: object, group_ids: object, spec: object,
+        def wrapper(klass: type, /, pool: object, group_ids: object, spec: object,
                     hashes: object, limit: int, *, _original: object = original,
                     **kwargs: object) -> object:
             tables, num_tokens = _original(klass, pool, group_ids, spec, hashes, limit,
@@ -337,7 +337,7 @@ def test_grouped_swa_siblings_use_the_same_cache_mask() -> None:
 def test_chunked_local_constraints(layers: list[object], options: dict[str, object],
                                    field: str) -> None:
     with pytest.raises(ConfigError) as info:
-        build(layers, 20, **options)
+        build(layers, 20, "prepend", **options)
     assert info.value.field == field
 
 

@@ -309,7 +309,7 @@ def test_manager_map_and_coarse_hashes() -> None:
     assert MANAGER_FOR_SPEC[FullAttentionSpec] is FullAttentionManager
     assert MANAGER_FOR_SPEC[SlidingWindowSpec] is SlidingWindowManager
     assert MANAGER_FOR_SPEC[ChunkedLocalSpec] is ChunkedLocalManager
-    fine = [bytes([i]) for i in range(7)]
+    fine = [BlockHash(bytes([i])) for i in range(7)]
     assert coarse_hashes(fine, 1) is fine
     assert coarse_hashes(fine, 2) == [fine[1], fine[3], fine[5]]
     assert coarse_hashes(fine, 4) == [fine[3]]
