@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -27,7 +28,6 @@ pytestmark = pytest.mark.engine
 
 def _config(**overrides: object) -> ModelConfig:
     base = ModelConfig.tiny(layer_types=gemma3_pattern(6), sliding_window=5)
-    import dataclasses
     return dataclasses.replace(base, query_pre_attn_scalar=16, rope_scaling_factor=4.0,
                                **overrides)  # type: ignore[arg-type]
 
