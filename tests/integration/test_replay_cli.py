@@ -78,7 +78,8 @@ def test_ceiling_on_a_tiny_hand_checked_trace() -> None:
     assert infinite_cache_ceiling(Trace("t", resend), alignment_tokens=4).hit_tokens == 4
 
 
-def test_replay_is_deterministic_same_json_in_one_or_two_processes(tiny_model: Path, tmp_path: Path) -> None:
+def test_replay_is_deterministic_same_json_in_one_or_two_processes(tiny_model: Path,
+                                                                  tmp_path: Path) -> None:
     outputs = []
     for i in range(2):
         out = tmp_path / f"run{i}.json"
