@@ -49,6 +49,23 @@ _QUEUE_OF_TIER = (FREE_QUEUE, FREE_QUEUE, PINNED_QUEUE, DEAD_QUEUE, PROTECTED_QU
                   SESSION_QUEUE)
 
 
+def _drop_references(blocks: Iterable[Block]) -> tuple[list[Block], list[Block]]:
+    """Drop one reference on each non-null block; return those reaching 0, split into
+    (unhashed scratch, hashed), each in the given order."""
+    scratch: list[Block] = []
+    cached: list[Block] = []
+    for block in blocks:
+        if block.is_null:
+            continue
+        ref_count = block.ref_count - 1
+        if ref_count < 0:
+            raise InvariantViolation(f"free of {block!r} whose ref_count is already 0")
+        block.ref_count = ref_count
+        if ref_count == 0:
+            (scratch if block.block_hash is None else cached).append(block)
+    return scratch, cached
+
+
 class BlockPool:
     """A pool of ``num_blocks`` blocks; block 0 is the reserved null block.
 
@@ -158,17 +175,7 @@ class BlockPool:
         the release of a finished request of that session (session-aware eviction).
         """
         self.epoch += 1
-        scratch: list[Block] = []
-        cached: list[Block] = []
-        for block in blocks:
-            if block.is_null:
-                continue
-            ref_count = block.ref_count - 1
-            if ref_count < 0:
-                raise InvariantViolation(f"free of {block!r} whose ref_count is already 0")
-            block.ref_count = ref_count
-            if ref_count == 0:
-                (scratch if block.block_hash is None else cached).append(block)
+        scratch, cached = _drop_references(blocks)
         if scratch:
             self.link(scratch, scratch_tier)
         if not cached:
@@ -187,17 +194,7 @@ class BlockPool:
         head_lists: list[list[Block]] = []
         tail: list[Block] = []
         for blocks in lists:
-            scratch: list[Block] = []
-            cached: list[Block] = []
-            for block in blocks:
-                if block.is_null:
-                    continue
-                ref_count = block.ref_count - 1
-                if ref_count < 0:
-                    raise InvariantViolation(f"free of {block!r} whose ref_count is already 0")
-                block.ref_count = ref_count
-                if ref_count == 0:
-                    (scratch if block.block_hash is None else cached).append(block)
+            scratch, cached = _drop_references(blocks)
             for released, tier in ((scratch, scratch_tier), (cached, cached_tier)):
                 if tier is FreeTier.HEAD:
                     head_lists.append(released)

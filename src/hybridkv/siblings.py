@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from hybridkv.block import Block
 from hybridkv.ids import ReqId
-from hybridkv.managers.base import GroupManager
+from hybridkv.managers.base import GroupManager, released_span
 from hybridkv.pool import BlockPool, FreeTier
 
 
@@ -52,19 +52,12 @@ class SiblingBatch:
 
     def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:
         first = self.members[0]
-        num_skipped = first.num_skipped_tokens(num_computed_tokens)
-        if num_skipped <= 0:
-            return
-        table = first.tables.get(req_id)
-        if not table:
-            return
-        last = min(num_skipped // self.block_size, len(table)) - 1
         null = self.pool.null_block
-        if last < 0 or table[last] is null:
+        span = released_span(first.tables.get(req_id),
+                             first.num_skipped_tokens(num_computed_tokens), self.block_size, null)
+        if span is None:
             return
-        start = last
-        while start > 0 and table[start - 1] is not null:
-            start -= 1
+        start, last = span
         released: list[list[Block]] = []
         nulls = [null] * (last + 1 - start)
         for member in self.members:

@@ -37,6 +37,25 @@ def coarse_hashes(hashes: Sequence[BlockHash], ratio: int) -> Sequence[BlockHash
     return hashes[ratio - 1 :: ratio][: len(hashes) // ratio]
 
 
+def released_span(table: list[Block] | None, num_skipped_tokens: int, block_size: int,
+                  null_block: Block) -> tuple[int, int] | None:
+    """Table indices ``(first, last)`` (inclusive) of the blocks that just left the window:
+    the run of non-null blocks ending at the last fully skipped block, or ``None``.
+
+    Worked example (bs 2, w 4, table of 6 live blocks): 7 computed tokens skip 4 tokens →
+    blocks 0–1 leave → ``(0, 1)``; once they are null, 11 tokens (8 skipped) → ``(2, 3)``.
+    """
+    if num_skipped_tokens <= 0 or not table:
+        return None
+    last = min(num_skipped_tokens // block_size, len(table)) - 1
+    if last < 0 or table[last] is null_block:
+        return None
+    first = last
+    while first > 0 and table[first - 1] is not null_block:
+        first -= 1
+    return first, last
+
+
 class GroupManager(ABC):
     """Block tables of one cache group.
 
@@ -197,21 +216,15 @@ class GroupManager(ABC):
         Released blocks are passed newest first, so within a tier the newest is reused first.
         """
         num_skipped = self.num_skipped_tokens(num_computed_tokens)
-        if num_skipped <= 0:
+        span = released_span(self.tables.get(req_id), num_skipped, self.block_size,
+                             self.pool.null_block)
+        if span is None:
             return
-        table = self.tables.get(req_id)
-        if not table:
-            return
-        last = min(num_skipped // self.block_size, len(table)) - 1
-        null = self.pool.null_block
-        if last < 0 or table[last] is null:
-            return
-        released: list[Block] = []
-        first = last
-        while first >= 0 and table[first] is not null:
-            released.append(table[first])
-            table[first] = null
-            first -= 1
+        table = self.tables[req_id]
+        first, last = span
+        released = table[first : last + 1]
+        released.reverse()  # newest first
+        table[first : last + 1] = [self.pool.null_block] * len(released)
         policy = self.retention
         pin_tokens = policy.pin_drop_tokens
         if pin_tokens is None:

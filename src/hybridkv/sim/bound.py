@@ -18,9 +18,9 @@ block: ``(num_blocks - 1) * bs`` (e.g. dsv4-bench, 18,481 blocks of 256 tokens â
 >>> reqs = tuple(TraceRequest(f"r{i}", 8, 1, block_ids=(ids,), trace_block_size=8)
 ...              for i, ids in enumerate([1, 2, 1, 2, 1]))
 >>> offline_optimum(Trace("t", reqs), capacity_tokens=4, block_size=4, alignment_tokens=4)
-Bound(prompt_tokens=40, hit_tokens=8)
+HitTotals(prompt_tokens=40, hit_tokens=8)
 >>> lru_full_attention(Trace("t", reqs), capacity_tokens=4, block_size=4, alignment_tokens=4)
-Bound(prompt_tokens=40, hit_tokens=0)
+HitTotals(prompt_tokens=40, hit_tokens=0)
 """
 
 from __future__ import annotations
@@ -29,25 +29,15 @@ import heapq
 import struct
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Container, Iterator
 
 import xxhash
 
 from hybridkv.hashing import encode_token_ids
+from hybridkv.sim.ceiling import HitTotals
 from hybridkv.sim.trace import Trace, TraceRequest, expand_prompt
 
 _NEVER = 1 << 62
-
-
-@dataclass(frozen=True, slots=True)
-class Bound:
-    prompt_tokens: int
-    hit_tokens: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 def _hash_pair(parent: int, value: int) -> int:
@@ -90,6 +80,15 @@ def _keys_from_block_ids(request: TraceRequest, index: int, block_size: int,
     return keys
 
 
+def _num_leading_cached(keys: list[int], cached: Container[int]) -> int:
+    num_hit = 0
+    for key in keys:
+        if key not in cached:
+            break
+        num_hit += 1
+    return num_hit
+
+
 def _hit_tokens(num_cached_blocks: int, block_size: int, prompt_tokens: int,
                 alignment_tokens: int) -> int:
     cap = ((prompt_tokens - 1) // alignment_tokens) * alignment_tokens
@@ -116,7 +115,7 @@ def _iter_keys(trace: Trace, block_size: int) -> Iterator[tuple[TraceRequest, li
 
 
 def offline_optimum(trace: Trace, capacity_tokens: int, block_size: int,
-                    alignment_tokens: int) -> Bound:
+                    alignment_tokens: int) -> HitTotals:
     """Belady MIN hit tokens of ``trace`` for a cache of ``capacity_tokens`` tokens."""
     capacity = capacity_tokens // block_size
     next_uses = _next_uses(trace, block_size)
@@ -124,11 +123,7 @@ def offline_optimum(trace: Trace, capacity_tokens: int, block_size: int,
     heap: list[tuple[int, int, int]] = []  # (-next_use, -depth, key), lazily invalidated
     prompt_tokens = hit_tokens = 0
     for i, (request, keys) in enumerate(_iter_keys(trace, block_size)):
-        num_hit = 0
-        for key in keys:
-            if key not in cached:
-                break
-            num_hit += 1
+        num_hit = _num_leading_cached(keys, cached)
         hit_tokens += _hit_tokens(num_hit, block_size, request.input_length, alignment_tokens)
         prompt_tokens += request.input_length
         uses = next_uses[i]
@@ -146,22 +141,18 @@ def offline_optimum(trace: Trace, capacity_tokens: int, block_size: int,
         if len(heap) > 4 * max(capacity, 1024):  # drop stale entries now and then
             heap = [e for e in heap if cached.get(e[2]) == -e[0]]
             heapq.heapify(heap)
-    return Bound(prompt_tokens, hit_tokens)
+    return HitTotals(prompt_tokens, hit_tokens)
 
 
 def lru_full_attention(trace: Trace, capacity_tokens: int, block_size: int,
-                       alignment_tokens: int) -> Bound:
+                       alignment_tokens: int) -> HitTotals:
     """One LRU list over full-attention blocks only (same accounting as the optimum);
     within a request the deepest block is the least recently used."""
     capacity = capacity_tokens // block_size
     cache: OrderedDict[int, None] = OrderedDict()
     prompt_tokens = hit_tokens = 0
     for request, keys in _iter_keys(trace, block_size):
-        num_hit = 0
-        for key in keys:
-            if key not in cache:
-                break
-            num_hit += 1
+        num_hit = _num_leading_cached(keys, cache)
         hit_tokens += _hit_tokens(num_hit, block_size, request.input_length, alignment_tokens)
         prompt_tokens += request.input_length
         for key in reversed(keys):
@@ -169,4 +160,4 @@ def lru_full_attention(trace: Trace, capacity_tokens: int, block_size: int,
             cache.move_to_end(key)
         while len(cache) > capacity:
             cache.popitem(last=False)
-    return Bound(prompt_tokens, hit_tokens)
+    return HitTotals(prompt_tokens, hit_tokens)

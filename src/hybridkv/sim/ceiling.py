@@ -29,7 +29,9 @@ from hybridkv.sim.trace import Trace, TraceRequest, expand_prompt
 
 
 @dataclass(frozen=True, slots=True)
-class Ceiling:
+class HitTotals:
+    """Hit tokens out of prompt tokens (the result of the ceiling and of the bound)."""
+
     prompt_tokens: int
     hit_tokens: int
 
@@ -38,7 +40,7 @@ class Ceiling:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def infinite_cache_ceiling(trace: Trace, alignment_tokens: int) -> Ceiling:
+def infinite_cache_ceiling(trace: Trace, alignment_tokens: int) -> HitTotals:
     """Token-weighted ceiling of ``trace`` for hits aligned to ``alignment_tokens``."""
     block_coverage: dict[int, int] = {}
     token_blocks: set[int] = set()
@@ -52,7 +54,7 @@ def infinite_cache_ceiling(trace: Trace, alignment_tokens: int) -> Ceiling:
         cap = ((num_tokens - 1) // alignment_tokens) * alignment_tokens
         hit_tokens += min((matched // alignment_tokens) * alignment_tokens, cap)
         prompt_tokens += num_tokens
-    return Ceiling(prompt_tokens, hit_tokens)
+    return HitTotals(prompt_tokens, hit_tokens)
 
 
 def _chain(parent: int, value: int) -> int:
