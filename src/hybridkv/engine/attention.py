@@ -51,7 +51,7 @@ class AttentionRule:
     def for_layer(cls, config: ModelConfig, layer_id: int) -> AttentionRule:
         kind = config.layer_types[layer_id]
         if kind == "sliding_attention":
-            return cls(kind, window=config.sliding_window)
+            return cls(kind, window=config.window_of(layer_id))
         if kind == "chunked_attention":
             return cls(kind, chunk=config.attention_chunk_size)
         return cls(kind)

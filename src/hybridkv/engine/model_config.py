@@ -68,6 +68,9 @@ class ModelConfig:
     Attributes:
         layer_types: one kind per layer (see the module table).
         sliding_window: ``w`` of sliding layers (tokens, the token itself included).
+        layer_windows: optional per-layer windows, one entry per layer (entries of
+            non-sliding layers are ignored); overrides ``sliding_window``. Gemma 3 has one
+            window; several sizes exercise the cache's per-group windows.
         attention_chunk_size: ``c`` of chunked layers.
         rope_theta: rope base of full-attention layers.
         rope_local_theta: rope base of sliding and chunked layers.
@@ -86,6 +89,7 @@ class ModelConfig:
     head_dim: int
     layer_types: tuple[LayerKind, ...]
     sliding_window: int | None = None
+    layer_windows: tuple[int, ...] | None = None
     attention_chunk_size: int | None = None
     rope_theta: float = 1_000_000.0
     rope_local_theta: float = 10_000.0
@@ -111,7 +115,13 @@ class ModelConfig:
         for kind in self.layer_types:
             if kind not in LAYER_KINDS:
                 raise ConfigError("layer_types", kind, f"choose from {', '.join(LAYER_KINDS)}")
-        if "sliding_attention" in self.layer_types and not _positive(self.sliding_window):
+        if self.layer_windows is not None and (
+                len(self.layer_windows) != len(self.layer_types)
+                or not all(_positive(w) for w in self.layer_windows)):
+            raise ConfigError("layer_windows", self.layer_windows,
+                              "one positive window (tokens) per layer")
+        if "sliding_attention" in self.layer_types and not (
+                _positive(self.sliding_window) or self.layer_windows is not None):
             raise ConfigError("sliding_window", self.sliding_window,
                               "sliding layers need a positive window (tokens)")
         if "chunked_attention" in self.layer_types and not _positive(self.attention_chunk_size):
@@ -121,13 +131,13 @@ class ModelConfig:
     @classmethod
     def tiny(cls, *, layer_types: Sequence[LayerKind] | None = None,
              sliding_window: int | None = 6, attention_chunk_size: int | None = None,
-             **shape: int) -> ModelConfig:
+             layer_windows: tuple[int, ...] | None = None, **shape: int) -> ModelConfig:
         """A test-sized model: 4 layers (3 sliding : 1 full), hidden 32, 4 heads, 2 KV heads,
         head_dim 8, vocab 97; ``shape`` overrides any of those sizes."""
         kinds = tuple(layer_types) if layer_types is not None else gemma3_pattern(4, period=4)
         base = cls(vocab_size=97, hidden_size=32, intermediate_size=64, num_heads=4,
                    num_kv_heads=2, head_dim=8, layer_types=kinds, sliding_window=sliding_window,
-                   attention_chunk_size=attention_chunk_size)
+                   layer_windows=layer_windows, attention_chunk_size=attention_chunk_size)
         return dataclasses.replace(base, **cast(dict[str, Any], shape))
 
     @classmethod
@@ -140,6 +150,19 @@ class ModelConfig:
     @property
     def num_layers(self) -> int:
         return len(self.layer_types)
+
+    def window_of(self, layer_id: int) -> int:
+        """Sliding window of layer ``layer_id`` (a sliding layer).
+
+        >>> cfg = ModelConfig.tiny(sliding_window=6, layer_windows=(5, 9, 5, 1))
+        >>> cfg.window_of(1), ModelConfig.tiny(sliding_window=6).window_of(1)
+        (9, 6)
+        """
+        window = self.sliding_window if self.layer_windows is None \
+            else self.layer_windows[layer_id]
+        if self.layer_types[layer_id] != "sliding_attention" or window is None:
+            raise ConfigError("layer_id", layer_id, "is not a sliding layer")
+        return window
 
     @property
     def attention_scale(self) -> float:
@@ -159,12 +182,11 @@ def layer_specs_for_model(config: ModelConfig, *, block_size: int, dtype_bytes: 
     """
     per_token = kv_bytes_per_token(config.num_kv_heads, config.head_dim, dtype_bytes)
     specs: list[LayerSpec] = []
-    for kind in config.layer_types:
+    for layer_id, kind in enumerate(config.layer_types):
         if kind == "full_attention":
             specs.append(FullAttentionSpec(full_block_size or block_size, per_token))
         elif kind == "sliding_attention":
-            assert config.sliding_window is not None  # validated in ModelConfig
-            specs.append(SlidingWindowSpec(block_size, per_token, config.sliding_window))
+            specs.append(SlidingWindowSpec(block_size, per_token, config.window_of(layer_id)))
         else:
             assert config.attention_chunk_size is not None
             specs.append(ChunkedLocalSpec(block_size, per_token, config.attention_chunk_size))

@@ -9,6 +9,10 @@ One step::
     sample greedily for chunks that reach their request's last known token
     scheduler.update(plan, sampled)
 
+Window-recompute bridges (policies with ``+recompute``) need nothing from the loop but the
+request's ``KVCacheManager.prefill_plan``: ``engine.bridge.chunk_span`` turns it into the
+keys each chunk reads and the K/V it writes (full layers never write below the cached end).
+
 Chunks run in plan order inside each layer, so a request admitted in the same step as the
 request that writes its hit blocks reads them after they are written. Token ids are
 reduced modulo the vocabulary for the embedding; the cache manager hashes the original ids.
@@ -22,9 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.cache import KVCacheManager
+from hybridkv.cache import KVCacheManager, PrefillPlan
 from hybridkv.config import CacheConfig
 from hybridkv.engine.attention import AttentionFn, AttentionRule, reference_attention
+from hybridkv.engine.bridge import check_span, chunk_span
 from hybridkv.engine.model import AttendFn, HybridDecoder
 from hybridkv.engine.paged import PagedKVCache
 from hybridkv.errors import CapacityError, ConfigError
@@ -40,6 +45,9 @@ class RequestRecord:
             empty when the runner does not record logits).
         hit_tokens: prefix-hit tokens at each admission (re-admissions after preemption
             append).
+        prefill_plans: the manager's ``PrefillPlan`` at each admission: a bridge when
+            ``full_attention_cached_tokens`` exceeds the hit, cold when
+            ``window_floor_tokens > 0``.
         admitted_s / first_token_s: ``time.perf_counter()`` at the start of the step that
             first admitted the request, and after the step that sampled its first token
             (device synchronised).
@@ -50,6 +58,7 @@ class RequestRecord:
     output_token_ids: list[int] = field(default_factory=list)
     sampled_logits: list[torch.Tensor] = field(default_factory=list)
     hit_tokens: list[int] = field(default_factory=list)
+    prefill_plans: list[PrefillPlan] = field(default_factory=list)
     num_computed_tokens: int = 0
     admitted_s: float | None = None
     first_token_s: float | None = None
@@ -74,11 +83,19 @@ class RunResult:
     hit_tokens: int
     computed_tokens: int
     wall_s: float
+    bridge_tokens: int = 0
+    """Tokens recomputed by window-recompute bridges (the manager's ``stats``)."""
 
     @property
     def total_hit_tokens(self) -> int:
         """Hit tokens over every admission (re-admissions included)."""
         return sum(sum(r.hit_tokens) for r in self.records.values())
+
+    @property
+    def num_cold_bridges(self) -> int:
+        """Admissions whose bridge started cold (window KV before the hit missing)."""
+        return sum(1 for r in self.records.values() for p in r.prefill_plans
+                   if p.window_floor_tokens > 0)
 
 
 @dataclass(slots=True)
@@ -88,6 +105,7 @@ class _Work:
     chunk: ScheduledChunk
     row: int
     write_slots: list[torch.Tensor]
+    write_skips: list[int]
     read_slots: list[torch.Tensor]
     read_starts: list[int]
 
@@ -206,6 +224,7 @@ class EngineRunner:
                 computed += chunk.num_new_tokens
                 if chunk.req_id in plan.admitted:
                     record.hit_tokens.append(chunk.num_hit_tokens)
+                    record.prefill_plans.append(manager.prefill_plan(chunk.req_id))
                     if record.admitted_s is None:
                         record.admitted_s = step_started
             sampled = self._execute(manager, plan, records)
@@ -219,7 +238,7 @@ class EngineRunner:
         stats = manager.stats
         return RunResult(opts.policy, records, scheduler.num_steps, scheduler.num_preemptions,
                          stats.queries, stats.hits, computed,
-                         time.perf_counter() - run_started)
+                         time.perf_counter() - run_started, stats.bridge_tokens)
 
     def _execute(self, manager: KVCacheManager, plan: StepPlan,
                  records: dict[str, RequestRecord]) -> dict[str, int]:
@@ -251,15 +270,18 @@ class EngineRunner:
     def _resolve(self, manager: KVCacheManager, chunk: ScheduledChunk, row: int) -> _Work:
         start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
         tables = manager.get_block_ids(chunk.req_id)
-        write, read, read_starts = [], [], []
+        plan = manager.prefill_plan(chunk.req_id)
+        write, skips, read, read_starts = [], [], [], []
         for group_id, rule in enumerate(self.group_rules):
-            lo, hi = rule.key_range(start, end)
+            span = chunk_span(rule, start, end, plan)
+            check_span(span, rule, plan, req_id=chunk.req_id, group_id=group_id)
             slots = self.kv_cache.slots(req_id=chunk.req_id, group_id=group_id,
-                                        table=tables[group_id], start=lo, end=hi)
+                                        table=tables[group_id], start=span.read_start, end=end)
             read.append(slots)
-            read_starts.append(lo)
-            write.append(slots[start - lo :])
-        return _Work(chunk, row, write, read, read_starts)
+            read_starts.append(span.read_start)
+            write.append(slots[span.write_start - span.read_start :])
+            skips.append(span.num_skipped_writes(start))
+        return _Work(chunk, row, write, skips, read, read_starts)
 
     def _attend_fn(self, works: list[_Work]) -> AttendFn:
         cache, rules = self.kv_cache, self.rules
@@ -271,7 +293,9 @@ class EngineRunner:
             outputs = []
             for work in works:
                 rows = slice(work.row, work.row + work.num_tokens)
-                cache.write(layer_id, work.write_slots[group_id], k[rows], v[rows])
+                written = slice(work.row + work.write_skips[group_id], rows.stop)
+                if written.start < written.stop:
+                    cache.write(layer_id, work.write_slots[group_id], k[written], v[written])
                 keys, values = cache.read(layer_id, work.read_slots[group_id])
                 outputs.append(attention(q[rows], keys, values, q_start=work.start,
                                          kv_start=work.read_starts[group_id],

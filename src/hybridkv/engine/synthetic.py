@@ -1,5 +1,6 @@
 """Small synthetic workloads for ``hybridkv verify``: prefixes shared on purpose, cut at and
-around hit-alignment boundaries, multi-turn sessions and shared system prompts.
+around hit-alignment boundaries, multi-turn sessions, shared system prompts, and prompts
+leaving a long document where no window tail is retained (window-recompute bridges).
 
 Content tokens are random ids in ``[0, 2**40)`` (fresh content never repeats by accident);
 the engine reduces them modulo its vocabulary for the embedding, while the cache hashes the
@@ -80,9 +81,47 @@ def mixed(alignment_tokens: int, seed: int) -> list[SchedRequest]:
             + sessions(alignment_tokens, seed))
 
 
+BRIDGE_CUTS: Final = (14, 11, 8, 5, 2)
+"""Where ``bridges`` prompts leave the document, in sixteenths of its length."""
+
+
+def bridges(alignment_tokens: int, seed: int, num_units: int = 16,
+            output_tokens: int = 2) -> list[SchedRequest]:
+    """A document of ``num_units`` aligned units, then prompts leaving it just after unit
+    boundaries ``k * A`` (``k = num_units * BRIDGE_CUTS / 16``, longest first), then a
+    sibling of the second prompt.
+
+    Tail-retaining policies keep window KV only near each prompt's end, so full attention
+    matches ``k * A`` tokens where no window tail exists: with ``+recompute`` a
+    window-recompute bridge ends there (cold when ``k * A`` exceeds the bridge length,
+    from 0 otherwise). The sibling then hits at the tail the bridge computed.
+
+    >>> [len(r.prompt_token_ids) for r in bridges(8, 0)]
+    [136, 118, 95, 72, 46, 23, 99]
+    """
+    rng = random.Random(seed + 3)
+    a = alignment_tokens
+    doc = _fresh(rng, num_units * a + 3)
+    reqs = [SchedRequest("doc", doc + _fresh(rng, 5), output_tokens)]
+    cuts = [num_units * c // 16 * a + 1 + i % 3 for i, c in enumerate(BRIDGE_CUTS)]
+    for cut in cuts:
+        reqs.append(SchedRequest(f"leave{cut}", doc[:cut] + _fresh(rng, a // 2 + 1),
+                                 output_tokens))
+    reqs.append(SchedRequest(f"sibling{cuts[1]}", doc[:cuts[1]] + _fresh(rng, a + 1),
+                             output_tokens))
+    return reqs
+
+
+def everything(alignment_tokens: int, seed: int) -> list[SchedRequest]:
+    """``mixed``, then ``bridges``."""
+    return mixed(alignment_tokens, seed) + bridges(alignment_tokens, seed)
+
+
 ENGINE_WORKLOADS: Final[dict[str, Callable[[int, int], list[SchedRequest]]]] = {
     "mixed": mixed,
+    "all": everything,
     "boundaries": boundaries,
+    "bridges": bridges,
     "sessions": sessions,
     "shared-prefix": shared_prefix,
 }

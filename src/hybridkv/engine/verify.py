@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from hybridkv.sim.scheduler import SchedRequest
 
 DEFAULT_ATOL = 1e-9
-DEFAULT_POLICIES = ("dense", "reachable", "prepend", "latest", "interval:32", "pin:64")
+DEFAULT_POLICIES = ("dense", "reachable", "prepend", "latest", "interval:32", "pin:64",
+                    "latest+recompute", "interval:32+recompute")
 PATTERNS = ("gemma3", "alternating", "llama4", "mixed")
 
 
@@ -63,6 +64,10 @@ class PolicyOutcome:
     num_preemptions: int
     max_logit_diff: float
     divergences: list[EquivalenceError] = field(default_factory=list)
+    bridge_tokens: int = 0
+    """Tokens recomputed by window-recompute bridges (manager ``stats.bridge_tokens``)."""
+    cold_bridges: int = 0
+    """Admissions whose bridge started cold (window KV before the hit missing)."""
 
     @property
     def label(self) -> str:
@@ -75,7 +80,9 @@ class PolicyOutcome:
     def line(self) -> str:
         head = (f"{self.label:<22} hits {self.hit_tokens:>5}/{self.prompt_tokens:<5} tok  "
                 f"readmit-hits {self.readmission_hit_tokens:>4}  "
-                f"preemptions {self.num_preemptions:>2}  max|dlogit| {self.max_logit_diff:.1e}")
+                f"preemptions {self.num_preemptions:>2}  "
+                f"bridges {self.bridge_tokens:>4} tok ({self.cold_bridges} cold)  "
+                f"max|dlogit| {self.max_logit_diff:.1e}")
         if self.identical:
             return f"{head}  identical"
         return f"{head}  DIVERGED ({len(self.divergences)}): {self.divergences[0]}"
@@ -167,7 +174,7 @@ def run_verify(model: HybridDecoder, workload: Sequence[SchedRequest], *,
             outcomes.append(PolicyOutcome(
                 policy, use_eagle, result.prompt_tokens, result.hit_tokens,
                 result.total_hit_tokens - result.hit_tokens, result.num_preemptions, worst,
-                errors))
+                errors, result.bridge_tokens, result.num_cold_bridges))
     return VerifyReport(s.atol, baseline.num_steps, baseline.num_preemptions, outcomes)
 
 
@@ -176,8 +183,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``hybridkv verify``."""
     from hybridkv.engine.synthetic import ENGINE_WORKLOADS
 
-    parser.add_argument("--workload", choices=sorted(ENGINE_WORKLOADS), default="mixed",
-                        help="synthetic workload with shared prefixes (default: mixed)")
+    parser.add_argument("--workload", choices=sorted(ENGINE_WORKLOADS), default="all",
+                        help="synthetic workload with shared prefixes (default: all = "
+                             "mixed, then bridges)")
     parser.add_argument("--policy", default=",".join(DEFAULT_POLICIES),
                         help="retention policies, comma separated "
                              f"(default: {','.join(DEFAULT_POLICIES)}; 'core' = "

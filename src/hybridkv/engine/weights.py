@@ -112,6 +112,9 @@ def _linear_factor(params: Mapping[str, Any]) -> float:
 
 def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
     """A text-only Gemma-3 ``config.json`` for ``config``."""
+    if config.layer_windows is not None:
+        raise ConfigError("layer_windows", config.layer_windows,
+                          "a Gemma-3 config has one sliding_window for every sliding layer")
     scaling = ({"rope_type": "linear", "factor": config.rope_scaling_factor}
                if config.rope_scaling_factor != 1.0 else None)
     return {
