@@ -68,11 +68,19 @@ class Block:
 
 
 class FreeBlockQueue:
-    """Intrusive doubly linked list of free blocks with head/tail sentinels.
+    """Free blocks in eviction order: a head stack, then an intrusive doubly linked list.
+
+    ``prepend_n`` pushes onto a Python list used as a stack (its top is the queue head), so
+    scratch blocks that are released and reallocated step after step — the window blocks of a
+    long prefill — cost list slicing, not pointer surgery. ``append_n`` links at the tail of
+    the list with head/tail sentinels; ``remove`` unlinks from the middle in O(1). Only
+    unhashed blocks are ever prepended, and those are never touched by a hit, so removing a
+    stacked block (O(n)) does not happen on any hot path.
 
     Invariants:
         - walking ``next_free`` from the head sentinel reaches the tail sentinel after
-          exactly ``len(self)`` blocks, and ``prev_free`` links mirror ``next_free`` links;
+          ``len(self) - len(stack)`` blocks, and ``prev_free`` links mirror ``next_free``;
+        - stacked blocks carry no links; no block is both stacked and linked;
         - sentinels never leave the list and are never returned.
     """
 
@@ -81,6 +89,7 @@ class FreeBlockQueue:
         self._tail = Block(-2)
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
+        self._stack: list[Block] = []  # reversed: the queue head is the last element
         self.num_blocks = 0
         self.append_n(blocks)
 
@@ -88,6 +97,7 @@ class FreeBlockQueue:
         return self.num_blocks
 
     def __iter__(self) -> Iterator[Block]:
+        yield from reversed(self._stack)
         node = self._head.next_free
         while node is not None and node is not self._tail:
             yield node
@@ -95,16 +105,16 @@ class FreeBlockQueue:
 
     def peek_head(self) -> Block | None:
         """The block ``popleft`` would return, or ``None`` when empty. Does not modify."""
+        if self._stack:
+            return self._stack[-1]
         first = self._head.next_free
         return None if first is self._tail else first
 
     def popleft(self) -> Block:
         """Unlink and return the head block (the next eviction victim)."""
-        first = self._head.next_free
-        if first is None or first is self._tail:
+        if self.num_blocks == 0:
             raise InvariantViolation("popleft() on an empty FreeBlockQueue")
-        self.remove(first)
-        return first
+        return self.popleft_n(1)[0]
 
     def popleft_n(self, num_blocks: int) -> list[Block]:
         """Unlink and return the first ``num_blocks`` blocks, head first."""
@@ -112,17 +122,26 @@ class FreeBlockQueue:
             raise InvariantViolation(
                 f"popleft_n({num_blocks}) with only {self.num_blocks} free blocks"
             )
-        taken: list[Block] = []
-        node = self._head.next_free
-        for _ in range(num_blocks):
+        stack = self._stack
+        from_stack = min(num_blocks, len(stack))
+        if from_stack:
+            taken = stack[len(stack) - from_stack :]
+            taken.reverse()
+            del stack[len(stack) - from_stack :]
+        else:
+            taken = []
+        remaining = num_blocks - from_stack
+        if remaining:
+            node = self._head.next_free
+            for _ in range(remaining):
+                assert node is not None
+                taken.append(node)
+                nxt = node.next_free
+                node.prev_free = node.next_free = None
+                node = nxt
+            self._head.next_free = node
             assert node is not None
-            taken.append(node)
-            nxt = node.next_free
-            node.prev_free = node.next_free = None
-            node = nxt
-        self._head.next_free = node
-        assert node is not None
-        node.prev_free = self._head
+            node.prev_free = self._head
         self.num_blocks -= num_blocks
         return taken
 
@@ -130,7 +149,13 @@ class FreeBlockQueue:
         """Unlink ``block`` from anywhere in the queue (a cache hit "touches" it)."""
         prev, nxt = block.prev_free, block.next_free
         if prev is None or nxt is None:
-            raise InvariantViolation(f"remove() of {block!r}, which is not in this queue")
+            try:
+                self._stack.remove(block)
+            except ValueError:
+                raise InvariantViolation(
+                    f"remove() of {block!r}, which is not in this queue") from None
+            self.num_blocks -= 1
+            return
         prev.next_free = nxt
         nxt.prev_free = prev
         block.prev_free = block.next_free = None
@@ -151,22 +176,18 @@ class FreeBlockQueue:
         self.num_blocks += count
 
     def prepend_n(self, blocks: Iterable[Block]) -> None:
-        """Link ``blocks`` in front of the head, keeping their order (reused first)."""
-        first = self._head.next_free
-        assert first is not None
-        last = self._head
-        count = 0
-        for block in blocks:
-            last.next_free = block
-            block.prev_free = last
-            last = block
-            count += 1
-        last.next_free = first
-        first.prev_free = last
-        self.num_blocks += count
+        """Put ``blocks`` in front of the head, keeping their order (reused first)."""
+        ordered = list(blocks)
+        ordered.reverse()
+        self._stack.extend(ordered)
+        self.num_blocks += len(ordered)
 
     def check_links(self) -> list[Block]:
-        """Walk the list, verify the links and the count, and return the blocks in order."""
+        """Verify the stack, the links and the count; return the blocks in queue order."""
+        stacked = list(reversed(self._stack))
+        for block in stacked:
+            if block.prev_free is not None or block.next_free is not None:
+                raise InvariantViolation(f"stacked {block!r} also carries links")
         seen: list[Block] = []
         node = self._head
         while True:
@@ -179,7 +200,8 @@ class FreeBlockQueue:
             if len(seen) > self.num_blocks:
                 raise InvariantViolation("free queue longer than its count (cycle?)")
             node = nxt
-        if len(seen) != self.num_blocks:
-            raise InvariantViolation(f"free queue holds {len(seen)} blocks, count says "
-                                     f"{self.num_blocks}")
-        return seen
+        ordered = stacked + seen
+        if len(ordered) != self.num_blocks or len({id(b) for b in ordered}) != len(ordered):
+            raise InvariantViolation(f"free queue holds {len(ordered)} blocks (with duplicates?)"
+                                     f", count says {self.num_blocks}")
+        return ordered

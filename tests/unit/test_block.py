@@ -32,14 +32,12 @@ def test_prepend_n_keeps_order_and_counts() -> None:
     queue.prepend_n([blocks[1], blocks[2]])
     assert ids(queue) == [1, 2, 4, 5, 0]
     assert len(queue) == 5
-    # links in both directions: the backwards walk mirrors the forward walk
-    backwards = []
-    node = queue._tail.prev_free
-    while node is not queue._head:
-        assert node is not None
-        backwards.append(node.block_id)
-        node = node.prev_free
-    assert backwards == [0, 5, 4, 2, 1]
+    # the structural check agrees with iteration, and popping follows the same order
+    assert [b.block_id for b in queue.check_links()] == [1, 2, 4, 5, 0]
+    assert [b.block_id for b in queue.popleft_n(3)] == [1, 2, 4]
+    queue.remove(blocks[0])  # from the linked part
+    queue.remove(blocks[5])  # from the prepended part
+    assert len(queue) == 0 and queue.peek_head() is None and queue.check_links() == []
 
 
 def test_prepend_and_append_on_empty_queue() -> None:
