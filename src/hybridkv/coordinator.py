@@ -78,6 +78,7 @@ class HybridCoordinator:
                 use_eagle=False,
             ))
         self.spec_groups = self._make_spec_groups()
+        self._is_hybrid = len(self.managers) > 1
         for sg in self.spec_groups:  # siblings sharing a spec share the EAGLE flag
             sg_eagle = any(g in eagle_ids for g in sg.group_ids)
             for gid in sg.group_ids:
@@ -151,7 +152,10 @@ class HybridCoordinator:
                     cur = min(cur, answers[idx])
                     continue
                 drop = self.managers[sg.group_ids[0]].use_eagle and idx not in verified
-                limit = min(cur + sg.spec.block_size, len(hashes) * hb) if drop else cur
+                # the EAGLE margin (peek one block past the cap) is a hybrid-coordinator
+                # feature in vLLM; a single group drops without peeking
+                limit = min(cur + sg.spec.block_size, len(hashes) * hb) \
+                    if drop and self._is_hybrid else cur
                 found, num_tokens = sg.manager_cls.find_longest_hit(
                     self.pool, sg.group_ids, sg.spec, views[idx], limit,
                     drop_eagle_block=drop, alignment_tokens=align,

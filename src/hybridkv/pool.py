@@ -49,9 +49,11 @@ _QUEUE_OF_TIER = (FREE_QUEUE, FREE_QUEUE, PINNED_QUEUE, DEAD_QUEUE, PROTECTED_QU
                   SESSION_QUEUE)
 
 
-def _drop_references(blocks: Iterable[Block]) -> tuple[list[Block], list[Block]]:
-    """Drop one reference on each non-null block; return those reaching 0, split into
-    (unhashed scratch, hashed), each in the given order."""
+def _drop_references(blocks: Iterable[Block], split: bool,
+                     ) -> tuple[list[Block], list[Block]]:
+    """Drop one reference on each non-null block; return those reaching 0 as (unhashed
+    scratch, hashed), each in the given order — or, with ``split`` false, all of them in
+    the given order as the first list (both classes go to the same tier)."""
     scratch: list[Block] = []
     cached: list[Block] = []
     for block in blocks:
@@ -62,7 +64,7 @@ def _drop_references(blocks: Iterable[Block]) -> tuple[list[Block], list[Block]]
             raise InvariantViolation(f"free of {block!r} whose ref_count is already 0")
         block.ref_count = ref_count
         if ref_count == 0:
-            (scratch if block.block_hash is None else cached).append(block)
+            (cached if split and block.block_hash is not None else scratch).append(block)
     return scratch, cached
 
 
@@ -175,7 +177,8 @@ class BlockPool:
         the release of a finished request of that session (session-aware eviction).
         """
         self.epoch += 1
-        scratch, cached = _drop_references(blocks)
+        split = scratch_tier is not cached_tier or self.eviction is not None
+        scratch, cached = _drop_references(blocks, split)
         if scratch:
             self.link(scratch, scratch_tier)
         if not cached:
@@ -193,8 +196,9 @@ class BlockPool:
         self.epoch += 1
         head_lists: list[list[Block]] = []
         tail: list[Block] = []
+        split = scratch_tier is not cached_tier
         for blocks in lists:
-            scratch, cached = _drop_references(blocks)
+            scratch, cached = _drop_references(blocks, split)
             for released, tier in ((scratch, scratch_tier), (cached, cached_tier)):
                 if tier is FreeTier.HEAD:
                     head_lists.append(released)

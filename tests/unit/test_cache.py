@@ -201,16 +201,14 @@ def test_pure_swa_retention(policy: str, expected: set[int]) -> None:
 def test_eagle_full_attention_only() -> None:
     """§6.1 items 33–34, full attention bs16 with EAGLE drop.
 
-    vLLM's unitary coordinator adds no EAGLE margin, so a resend of a cached 48-token prompt
-    hits 16 there (cap 47 → 2 blocks → drop). Our coordinator always matches one block past
-    the cap (the hybrid margin, §4.2), which verifies the successor token of block 1, so we
-    hit 32: still correct for the drafter and one block better. A 37-token prompt hits 16
-    in both (2 matched − drop)."""
+    Like vLLM's unitary coordinator, a single group adds no EAGLE margin (the peek past the
+    cap is a hybrid-coordinator feature, §4.2), so a resend of a cached 48-token prompt hits
+    16 (cap 47 → 2 blocks → drop one). A 37-token prompt hits 16 too (2 matched − drop)."""
     manager = build([FullAttentionSpec(16, 1)], 20, use_eagle=True)
     tokens = distinct_blocks(48, 16)
     prefill(manager, "a", tokens)
     manager.add_request("b", tokens)
-    assert manager.find_longest_hit("b").num_tokens == 32
+    assert manager.find_longest_hit("b").num_tokens == 16
     manager.add_request("c", tokens[:37])
     prefill(manager, "c2", [*tokens[:32], 7, 7, 7, 7, 7])
     assert manager.find_longest_hit("c").num_tokens == 16
