@@ -1,4 +1,5 @@
-"""``bench/engine_ttft.py --quick`` runs on the CPU (tiny model, tiny WEKA-format trace)."""
+"""``bench/engine_ttft.py --quick`` runs on the CPU (tiny model, tiny WEKA-format trace), and so
+does ``bench/bridge_ttft.py --quick``."""
 
 from __future__ import annotations
 
@@ -46,3 +47,18 @@ def test_quick_bench_runs_on_cpu(tmp_path: Path) -> None:
     assert replay["caching off"]["hit_rate"] == 0.0
     assert replay["latest"]["hit_tokens"] > 0
     assert (out / "engine_ttft.md").read_text().startswith("Device: ")
+
+
+def test_quick_bridge_bench_runs_on_cpu(tmp_path: Path) -> None:
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bridge_ttft.py"), "--quick", "--cpu",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    assert completed.returncode == 0, completed.stderr[-2000:] + completed.stdout[-2000:]
+    rows = {row["label"]: row for row in
+            json.loads((tmp_path / "bridge_ttft.json").read_text())["rows"]}
+    assert rows["latest"]["hit_tokens"] == 0
+    bridged = rows["latest+recompute"]
+    assert bridged["bridge_tokens"] == 240 and bridged["window_floor_tokens"] > 0
+    assert "same token" in bridged["logits_vs_off"]
+    assert (tmp_path / "bridge_ttft.md").read_text().startswith("Device: ")
