@@ -43,13 +43,15 @@ from hybridkv.engine.model_config import (
 )
 from hybridkv.engine.paged import PagedKVCache
 from hybridkv.engine.runner import EngineRunner, RunOptions, RunResult
-from hybridkv.engine.synthetic import bridges
+from hybridkv.engine.synthetic import bridges, make_engine_workload
 from hybridkv.engine.verify import (
     DEFAULT_ATOL,
     DEFAULT_POLICIES,
+    VerifySettings,
     add_verify_arguments,
     cmd_verify,
     compare_runs,
+    run_verify,
 )
 from hybridkv.errors import EquivalenceError
 from hybridkv.sim.scheduler import SchedRequest
@@ -214,6 +216,20 @@ def test_bridges_from_zero_only() -> None:
     out = _compare(case)
     out.assert_exact()
     assert out.bridges("zero") and not out.bridges("cold")
+
+
+def test_bridges_under_preemption() -> None:
+    """A small pool preempts requests (bridged ones among them) and re-admits them."""
+    model = HybridDecoder(ModelConfig.tiny(layer_types=GEMMA, sliding_window=9),
+                          dtype=torch.float64, seed=0)
+    report = run_verify(model, make_engine_workload("all", alignment_tokens=8, seed=0),
+                        policies=("latest+recompute", "interval:16+recompute"),
+                        settings=VerifySettings(num_blocks=40, chunk_size=24, max_running=8))
+    for outcome in report.outcomes:
+        assert outcome.identical, outcome.line()
+        assert outcome.bridge_tokens > 0 and outcome.cold_bridges > 0
+    assert sum(o.num_preemptions for o in report.outcomes) > 0
+    assert sum(o.readmission_hit_tokens for o in report.outcomes) > 0
 
 
 @pytest.mark.parametrize("path", ["sdpa", "flex"])
