@@ -322,11 +322,25 @@ def _is_full_attention(unit: GroupManager | SiblingBatch) -> bool:
 
 
 def _bridge_tokens(config: CacheConfig) -> int | None:
+    """Bridge length so that every window block of the tail ending at ``F`` is exact.
+
+    A cold bridge from ``s`` leaves window layer ``k`` (in layer order) exact from
+    ``s + sum_{j<k} (w_j - 1)`` on; its tail blocks start at ``F - need_k * bs_k``. So
+    ``B = max_k (sum_{j<k} (w_j - 1) + need_k * bs_k)``, rounded up to the alignment —
+    ``L * (w - 1)`` plus at most one block for equal windows (dsv4-bench: 42 × 127 + 2 × 64
+    = 5,462 → 5,632, the same as 43 × 127 rounded). Only ``[F - (w - 1), F)`` is read by a
+    hit at ``F``, but the first tail block may also serve a hit at an earlier boundary whose
+    older blocks another request cached exactly, so the whole block must be exact.
+    """
     kinds = {g.spec.kind for g in config.groups}
     if "full_attention" not in kinds or "chunked_local" in kinds:
         return None
-    span = sum(len(g.layer_ids) * (g.spec.sliding_window - 1) for g in config.groups
-               if isinstance(g.spec, SlidingWindowSpec))
+    windows = sorted((layer_id, g.spec) for g in config.groups for layer_id in g.layer_ids
+                     if isinstance(g.spec, SlidingWindowSpec))
+    span = spread = 0
+    for _, spec in windows:
+        span = max(span, spread + spec.num_tail_blocks * spec.block_size)
+        spread += spec.sliding_window - 1
     align = config.alignment_tokens
     return -(-span // align) * align
 
