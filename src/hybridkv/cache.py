@@ -88,7 +88,7 @@ class Allocation:
     num_computed_tokens: int
     num_new_tokens: int
     num_hit_tokens: int
-    new_blocks: tuple[list[Block], ...]
+    new_blocks: tuple[Sequence[Block], ...]
 
     @property
     def new_block_ids(self) -> tuple[tuple[int, ...], ...]:
@@ -174,6 +174,8 @@ class KVCacheManager:
             evicted_blocks_by_group=self.pool.num_evicted_blocks,
         )
         self._requests: dict[ReqId, _RequestState] = {}
+        self._no_hit_tables: tuple[tuple[Block, ...], ...] = ((),) * len(config.groups)
+        self._no_new_blocks: tuple[tuple[Block, ...], ...] = ((),) * len(config.groups)
         self.manager_seconds = 0.0
         """Wall time spent inside lookup/allocate/free/step (prompt hashing excluded)."""
         self.hash_seconds = 0.0
@@ -298,12 +300,11 @@ class KVCacheManager:
                 f"tokens, {num_computed} computed)",
             )
         coordinator = self.coordinator
-        free_blocks = self.pool.num_free_blocks
         if admitting and reserve_full_prompt:
             need = coordinator.num_blocks_to_allocate(
                 req_id, self._cap_len(num_tokens), hit_tables, num_computed,
                 apply_admission_cap=True)
-            if need > free_blocks:
+            if need > self.pool.num_free_blocks:
                 return None
         num_slots = self._cap_len(num_computed + num_new_tokens + num_lookahead_tokens)
         if admitting:
@@ -312,15 +313,16 @@ class KVCacheManager:
         else:
             coordinator.remove_skipped_blocks(req_id, num_computed)
             need = coordinator.num_blocks_to_grow(req_id, num_slots)
-        if need > self.pool.num_free_blocks:
+        if need and need > self.pool.num_free_blocks:
             return None
         if admitting:
             coordinator.add_hit_blocks(req_id, hit_tables, num_hit)
             self._record_admission(state, num_hit, hit_tables, hit)
         if need or admitting:
-            new_blocks = coordinator.allocate_new_blocks(req_id, num_slots)
+            new_blocks: Sequence[Sequence[Block]] = coordinator.allocate_new_blocks(
+                req_id, num_slots)
         else:
-            new_blocks = [[] for _ in self.config.groups]
+            new_blocks = self._no_new_blocks
         state.num_computed_tokens = num_computed + num_new_tokens
         hb = self.hasher.block_size
         if self.config.enable_caching and (
@@ -335,7 +337,7 @@ class KVCacheManager:
     def _checked_hit(self, req_id: ReqId, hit: PrefixHit | None, admitting: bool,
                      ) -> tuple[Sequence[Sequence[Block]], int]:
         if hit is None or not (hit.num_tokens or any(hit.blocks)):
-            return [()] * len(self.config.groups), 0
+            return self._no_hit_tables, 0
         if not admitting or hit.req_id != req_id:
             raise RequestError(f"request_id={req_id!r}: a PrefixHit applies only to the "
                                "admission of the request it was looked up for")
