@@ -122,6 +122,9 @@ class _PromptHasher:
     The result is the chain ``hasher.hash_blocks`` would compute for the expanded prompt.
     """
 
+    MAX_ENTRIES = 1 << 18
+    """Memo size cap (oldest entries dropped first), so memory stays flat on long traces."""
+
     def __init__(self, hasher: BlockHasher) -> None:
         self._hasher = hasher
         self._memo: dict[tuple[BlockHash | None, int], list[BlockHash]] = {}
@@ -155,6 +158,8 @@ class _PromptHasher:
             if chunk is None:
                 chunk = self._hasher.hash_blocks(tokens[i * size : (i + 1) * size],
                                                  parent=parent, first_block_idx=i * size // hb)
+                if len(self._memo) >= self.MAX_ENTRIES:
+                    del self._memo[next(iter(self._memo))]
                 self._memo[key] = chunk
             hashes.extend(chunk)
             parent = chunk[-1]
@@ -218,7 +223,10 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
             chunk.req_id: sampler.sample(scheduler.requests[chunk.req_id])
             for chunk in plan.chunks if chunk.samples
         }
-        num_finished += len(scheduler.update(plan, sampled))
+        finished = scheduler.update(plan, sampled)
+        for req_id in finished:  # the replay never reads outputs back: keep memory flat
+            scheduler.requests[req_id].output_token_ids = []
+        num_finished += len(finished)
         if settings.check_invariants:
             manager.check_invariants()
         if progress is not None:
