@@ -295,6 +295,8 @@ class HybridCoordinator:
                                  bridge_end_tokens)
 
     def free(self, req_id: ReqId, session_id: str | None = None) -> None:
+        if session_id is not None and self.pool.eviction is not None:
+            self.pool.eviction.start_release(self.pool, session_id)
         if self._units_are_batches:
             for unit in self._units:
                 if isinstance(unit, SiblingBatch):

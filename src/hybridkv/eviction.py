@@ -162,17 +162,32 @@ class EvictionPolicy:
             return True
         return False
 
-    def _protect_session(self, pool: BlockPool, session_id: str, blocks: list[Block]) -> None:
+    def start_release(self, pool: BlockPool, session_id: str) -> None:
+        """A finished request of ``session_id`` is about to release its groups' blocks:
+        the session's previous protected set is superseded (demoted) once, and the blocks
+        of every group released next form the new set."""
+        if not self.options.session:
+            return
         previous = self._session_blocks.pop(session_id, None)
         if previous is not None:
             self._demote(pool, session_id, previous)
+        self._session_blocks[session_id] = []
+
+    def _protect_session(self, pool: BlockPool, session_id: str, blocks: list[Block]) -> None:
         for block in blocks:
             self._session_owner[block.block_id] = session_id
         pool.link(blocks, FreeTier.SESSION)
-        self._session_blocks[session_id] = blocks
+        current = self._session_blocks.get(session_id)
+        if current is None:  # released without start_release: a set of its own
+            self._session_blocks[session_id] = list(blocks)
+        else:
+            current.extend(blocks)
         queue = pool.queues[SESSION_QUEUE]
         while queue.num_blocks > self._session_cap and len(self._session_blocks) > 1:
-            oldest_session, oldest_blocks = self._session_blocks.popitem(last=False)
+            oldest_session, oldest_blocks = next(iter(self._session_blocks.items()))
+            if oldest_session == session_id:
+                break
+            del self._session_blocks[oldest_session]
             self._demote(pool, oldest_session, oldest_blocks)
 
     def _demote(self, pool: BlockPool, session_id: str, blocks: list[Block]) -> None:

@@ -158,3 +158,19 @@ def test_combinations_keep_invariants_under_pressure(policy: str) -> None:
         tokens = list(range(base, base + 17 + 4 * (i % 4)))
         run_prompt(manager, f"r{i}", tokens, session_id=f"s{i % 2}")
     assert manager.num_free_blocks == 23
+
+
+def test_session_protects_every_group_of_a_finished_request() -> None:
+    # Regression: each group's release used to supersede the previous group's protection,
+    # so only the last group's blocks stayed in the session queue.
+    manager = hybrid(60, "prepend+session")
+    run_prompt(manager, "t0", list(range(33)), session_id="s")
+    in_session = [b for b in manager.pool.blocks if b.queue_id == SESSION_QUEUE]
+    assert {b.hash_group_id for b in in_session} == {0, 1}
+    hashed = [b for b in manager.pool.blocks if b.block_hash is not None]
+    assert len(in_session) == len(hashed)
+    # the next turn of the same conversation supersedes all of them at once
+    run_prompt(manager, "t1", list(range(33)) + [7] * 16, session_id="s")
+    owners = {b.block_id for b in manager.pool.blocks if b.queue_id == SESSION_QUEUE}
+    assert owners and all(manager.pool.blocks[i].block_hash is not None for i in owners)
+    assert {manager.pool.blocks[i].hash_group_id for i in owners} == {0, 1}
