@@ -31,10 +31,10 @@ import json
 import platform
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -42,8 +42,9 @@ from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
 from hybridkv.sim.loaders import load_trace
 from hybridkv.sim.model import load_model
+from hybridkv.sim.replay import LazyPrompt
 from hybridkv.sim.scheduler import SchedRequest, Scheduler
-from hybridkv.sim.trace import OUTPUT_TOKEN_BASE, Trace, TraceRequest, expand_prompt
+from hybridkv.sim.trace import OUTPUT_TOKEN_BASE, Trace
 
 REFERENCE_HIT_RATES: dict[tuple[str, int, str, int, str], float] = {
     # replay-protocol.md "Reference numbers": vLLM 0.33.0 under protocol v1, in percent.
@@ -62,29 +63,6 @@ REFERENCE_HIT_RATES: dict[tuple[str, int, str, int, str], float] = {
 MAX_LISTED_MISMATCHES = 20
 
 
-
-
-class _Prompt(Sequence[int]):
-    """Prompt ids expanded on use (the managers copy them once, at registration)."""
-
-    __slots__ = ("_index", "_request")
-
-    def __init__(self, request: TraceRequest, index: int) -> None:
-        self._request = request
-        self._index = index
-
-    def __len__(self) -> int:
-        return self._request.input_length
-
-    @overload
-    def __getitem__(self, idx: int) -> int: ...
-    @overload
-    def __getitem__(self, idx: slice) -> Sequence[int]: ...
-    def __getitem__(self, idx: int | slice) -> int | Sequence[int]:
-        return expand_prompt(self._request, self._index)[idx]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(expand_prompt(self._request, self._index))
 
 
 @dataclass(slots=True)
@@ -129,7 +107,7 @@ def run_side(manager: Any, trace: Trace, args: argparse.Namespace, label: str) -
                           reserve_full_prompt=not args.no_admission_gate)
     requests: list[SchedRequest] = []
     for index, request in enumerate(trace.requests):
-        sched = SchedRequest(request.request_id, _Prompt(request, index),
+        sched = SchedRequest(request.request_id, LazyPrompt(request, index),
                              max(1, request.output_length), session_id=request.session_id,
                              phase=request.phase, tag=request.tag)
         requests.append(sched)

@@ -86,7 +86,7 @@ class RunResult:
             mine.hit_tokens += totals.hit_tokens
 
 
-class _LazyPrompt(Sequence[int]):
+class LazyPrompt(Sequence[int]):
     """Prompt ids expanded on first use and dropped by the manager when the request ends."""
 
     __slots__ = ("_index", "_request")
@@ -204,7 +204,7 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
     for index, request in enumerate(trace.requests):
         # A trace may say 0 output tokens; an engine always samples at least one.
         sched_request = SchedRequest(
-            request.request_id, _LazyPrompt(request, index), max(1, request.output_length),
+            request.request_id, LazyPrompt(request, index), max(1, request.output_length),
             session_id=request.session_id, phase=request.phase, tag=request.tag,
             hash_prompt=prompt_hasher.for_request(request) if config.enable_caching else None)
         sched_requests.append(sched_request)
