@@ -34,11 +34,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from engine_ttft import Setup, attention_path, engine_runner, random_prompt, rel_err
+from engine_ttft import (
+    Setup,
+    attention_path,
+    engine_runner,
+    quick_cpu_model,
+    random_prompt,
+    rel_err,
+)
 
 from hybridkv import KVCacheManager
 from hybridkv.engine.model import HybridDecoder
-from hybridkv.engine.model_config import ModelConfig, gemma3_pattern
+from hybridkv.engine.model_config import ModelConfig
 from hybridkv.engine.paged import PagedKVCache
 from hybridkv.sim.scheduler import SchedRequest
 
@@ -51,10 +58,8 @@ def make_setup(args: argparse.Namespace) -> tuple[Setup, int, int]:
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if cuda else "cpu")
     if args.quick and not cuda:
-        config = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_heads=4,
-                             num_kv_heads=1, head_dim=32, layer_types=gemma3_pattern(6),
-                             sliding_window=48, query_pre_attn_scalar=32)
-        return Setup(device, torch.float32, config, [], 256, 16, 4000, 2, 128), 1024, 900
+        return Setup(device, torch.float32, quick_cpu_model(), [], 256, 16, 4000, 2, 128), \
+            1024, 900
     setup = Setup(device, torch.bfloat16, ModelConfig.gemma3_1b_shape(), [], args.chunk_size,
                   64, args.num_blocks, args.repeats, args.min_flex_tokens)
     return setup, args.context, args.shared

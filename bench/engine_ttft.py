@@ -70,14 +70,19 @@ class Setup:
     min_flex_tokens: int
 
 
+def quick_cpu_model() -> ModelConfig:
+    """The tiny Gemma-3-patterned model of ``--quick`` runs on a CPU (smoke tests)."""
+    return ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_heads=4,
+                       num_kv_heads=1, head_dim=32, layer_types=gemma3_pattern(6),
+                       sliding_window=48, query_pre_attn_scalar=32)
+
+
 def make_setup(args: argparse.Namespace) -> Setup:
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if cuda else "cpu")
     if args.quick and not cuda:
-        config = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_heads=4,
-                             num_kv_heads=1, head_dim=32, layer_types=gemma3_pattern(6),
-                             sliding_window=48, query_pre_attn_scalar=32)
-        return Setup(device, torch.float32, config, [256, 512], 256, 16, 4000, 2, 128)
+        return Setup(device, torch.float32, quick_cpu_model(), [256, 512], 256, 16, 4000, 2,
+                     128)
     config = ModelConfig.gemma3_1b_shape()
     lengths = [8192] if args.quick else [int(x) for x in args.lengths.split(",")]
     return Setup(device, torch.bfloat16, config, lengths, args.chunk_size, 64,
