@@ -89,6 +89,8 @@ class HybridCoordinator:
         self._units_are_batches = any(isinstance(u, SiblingBatch) for u in self._units)
         self._releasing_units = [u for u in self._units if not _is_full_attention(u)]
         self._last_full_attention: tuple[int, list[list[Block]]] = (0, [])
+        self._next_release: dict[ReqId, int] = {}
+        """Per running request: computed tokens before which no window block can leave."""
         self._bridge_tokens = _bridge_tokens(config)
         if chain_group_id is not None:  # chain eviction: record each block's parent hash
             chain_block_size = config.groups[chain_group_id].spec.block_size
@@ -268,8 +270,15 @@ class HybridCoordinator:
         return new_blocks
 
     def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:
+        """Release what left every group's window. Decode steps mostly release nothing:
+        below the request's next release threshold the groups are not even asked."""
+        if num_computed_tokens < self._next_release.get(req_id, 0):
+            return
+        threshold = 1 << 62
         for unit in self._releasing_units:
             unit.remove_skipped_blocks(req_id, num_computed_tokens)
+            threshold = min(threshold, unit.next_release_tokens(num_computed_tokens))
+        self._next_release[req_id] = threshold
 
     def cache_blocks(self, req_id: ReqId, hashes: Sequence[BlockHash], num_tokens: int,
                      num_prompt_tokens: int, junction_tokens: int,
@@ -295,6 +304,7 @@ class HybridCoordinator:
                                  bridge_end_tokens)
 
     def free(self, req_id: ReqId, session_id: str | None = None) -> None:
+        self._next_release.pop(req_id, None)
         if session_id is not None and self.pool.eviction is not None:
             self.pool.eviction.start_release(self.pool, session_id)
         if self._units_are_batches:

@@ -68,6 +68,9 @@ class SiblingBatch:
             released.append(segment)
         self.pool.free_grouped(released, first.retention.scratch_tier, FreeTier.TAIL)
 
+    def next_release_tokens(self, num_computed_tokens: int) -> int:
+        return self.members[0].next_release_tokens(num_computed_tokens)
+
     def free(self, req_id: ReqId) -> None:
         released: list[list[Block]] = []
         for member in self.members:

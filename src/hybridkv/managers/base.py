@@ -101,6 +101,12 @@ class GroupManager(ABC):
         del max_num_batched_tokens, max_model_len
         return None
 
+    def next_release_tokens(self, num_computed_tokens: int) -> int:
+        """Smallest computed-token count above ``num_computed_tokens`` at which another
+        block leaves this group's window (releases can only happen from there on)."""
+        del num_computed_tokens
+        return 1 << 62  # full attention never releases early
+
     def bridge_tail_blocks(self) -> int:
         """Blocks before a bridge end whose KV is exact enough to hash (window tail)."""
         return 0

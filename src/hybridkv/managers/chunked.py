@@ -22,6 +22,12 @@ class ChunkedLocalManager(GroupManager):
             span = min(span, max_model_len)
         return -(-span // self.block_size)
 
+    def next_release_tokens(self, num_computed_tokens: int) -> int:
+        """The next chunk boundary (a chunk's blocks leave when the next chunk starts)."""
+        assert isinstance(self.spec, ChunkedLocalSpec)
+        chunk = self.spec.attention_chunk_size
+        return (num_computed_tokens // chunk + 1) * chunk
+
     @classmethod
     def find_longest_hit(cls, pool: BlockPool, group_ids: Sequence[GroupId], spec: LayerSpec,
                          hashes: Sequence[BlockHash], max_num_tokens: int, *,

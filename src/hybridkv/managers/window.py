@@ -24,6 +24,21 @@ class SlidingWindowManager(GroupManager):
         """Tail blocks a hit needs, plus EAGLE's peek block."""
         return self.window_spec.num_tail_blocks + (1 if self.use_eagle else 0)
 
+    def next_release_tokens(self, num_computed_tokens: int) -> int:
+        """Block ``k`` (0-based) leaves once ``n - w + 1 >= (k + 1) * bs``.
+
+        >>> from hybridkv.specs import SlidingWindowSpec
+        >>> # bs 2, w 4: 5 tokens skip 2 (block 0 out); block 1 leaves at 4 + 3 = 7 tokens
+        >>> SlidingWindowManager.release_threshold(SlidingWindowSpec(2, 1, 4), 5)
+        7
+        """
+        return self.release_threshold(self.window_spec, num_computed_tokens)
+
+    @staticmethod
+    def release_threshold(spec: SlidingWindowSpec, num_computed_tokens: int) -> int:
+        num_out = spec.num_skipped_tokens(num_computed_tokens) // spec.block_size
+        return (num_out + 1) * spec.block_size + spec.sliding_window - 1
+
     def bridge_tail_blocks(self) -> int:
         # EAGLE's tail at F is [F/bs - need, F/bs + 1): it starts at the same block
         return self.window_spec.num_tail_blocks
