@@ -290,7 +290,11 @@ class KVCacheManager:
                   num_lookahead_tokens: int, reserve_full_prompt: bool) -> Allocation | None:
         state = self._state(req_id, "allocate_slots")
         admitting = not state.is_running
-        hit_tables, num_hit = self._checked_hit(req_id, hit, admitting)
+        if hit is None:
+            hit_tables: Sequence[Sequence[Block]] = self._no_hit_tables
+            num_hit = 0
+        else:
+            hit_tables, num_hit = self._checked_hit(req_id, hit, admitting)
         num_computed = state.num_computed_tokens + num_hit
         num_tokens = len(state.token_ids)
         if num_new_tokens <= 0 or num_computed + num_new_tokens > num_tokens:
