@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from hybridkv.block import Block
 from hybridkv.ids import ReqId
-from hybridkv.managers.base import GroupManager, released_span
+from hybridkv.managers.base import GroupManager, live_blocks_tail_first, released_span
 from hybridkv.pool import BlockPool, FreeTier
 
 
@@ -77,8 +77,7 @@ class SiblingBatch:
             table = member.tables.pop(req_id, None)
             member.num_cached_blocks.pop(req_id, None)
             if table:
-                table.reverse()
-                released.append(table)
+                released.append(live_blocks_tail_first(table, self.pool.null_block))
         if released:
             retention = self.members[0].retention
             self.pool.free_grouped(released, retention.scratch_tier, retention.cached_tier)

@@ -12,7 +12,7 @@ Subclasses implement ``find_longest_hit`` (a classmethod: lookups never modify a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 from hybridkv.block import Block
@@ -35,6 +35,26 @@ def coarse_hashes(hashes: Sequence[BlockHash], ratio: int) -> Sequence[BlockHash
     if ratio == 1:
         return hashes
     return hashes[ratio - 1 :: ratio][: len(hashes) // ratio]
+
+
+def live_blocks_tail_first(table: list[Block], null_block: Block) -> list[Block]:
+    """The table's blocks after its leading nulls (nulls only ever form a prefix: released
+    window blocks, skipped hit positions), last block first — the order a request frees in.
+
+    >>> null = Block(0, is_null=True); a, b = Block(1), Block(2)
+    >>> [x.block_id for x in live_blocks_tail_first([null, null, a, b], null)]
+    [2, 1]
+    """
+    lo, hi = 0, len(table)
+    while lo < hi:  # binary search for the first live block
+        mid = (lo + hi) // 2
+        if table[mid] is null_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    live = table[lo:]
+    live.reverse()
+    return live
 
 
 def released_span(table: list[Block] | None, num_skipped_tokens: int, block_size: int,
@@ -190,11 +210,11 @@ class GroupManager(ABC):
         mask = self.cache_mask(num_cached, num_full, boundaries)
         pool, group_id = self.pool, self.group_id
         chain_bs = self.chain_block_size
-        for i in range(num_cached, num_full):
+        indices: Iterable[int] = range(num_cached, num_full) if mask is None else \
+            [num_cached + j for j, keep in enumerate(mask) if keep]
+        for i in indices:
             block = table[i]
             if block.is_null or block.block_hash is not None:
-                continue
-            if mask is not None and not mask[i - num_cached]:
                 continue
             parent = None if chain_bs is None else \
                 self._parent_hash(i, hashes, hash_block_size, chain_bs)
@@ -250,8 +270,8 @@ class GroupManager(ABC):
         self.num_cached_blocks.pop(req_id, None)
         if table:
             policy = self.retention
-            self.pool.free_blocks(reversed(table), policy.scratch_tier, policy.cached_tier,
-                                  session_id)
+            self.pool.free_blocks(live_blocks_tail_first(table, self.pool.null_block),
+                                  policy.scratch_tier, policy.cached_tier, session_id)
 
     def block_ids(self, req_id: ReqId) -> list[int]:
         return [b.block_id for b in self.tables.get(req_id, ())]
