@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hybridkv.block import Block
 from hybridkv.config import CacheConfig
@@ -122,7 +122,6 @@ class _RequestState:
     junction_tokens: int = 0
     bridge_end_tokens: int = 0
     window_floor_tokens: int = 0
-    hit_tokens_by_admission: list[int] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -338,9 +337,9 @@ class KVCacheManager:
                                      else 0)
         return Allocation(num_computed, num_new_tokens, num_hit, tuple(new_blocks))
 
-    def _checked_hit(self, req_id: ReqId, hit: PrefixHit | None, admitting: bool,
+    def _checked_hit(self, req_id: ReqId, hit: PrefixHit, admitting: bool,
                      ) -> tuple[Sequence[Sequence[Block]], int]:
-        if hit is None or not (hit.num_tokens or any(hit.blocks)):
+        if not (hit.num_tokens or any(hit.blocks)):
             return self._no_hit_tables, 0
         if not admitting or hit.req_id != req_id:
             raise RequestError(f"request_id={req_id!r}: a PrefixHit applies only to the "
@@ -362,7 +361,6 @@ class KVCacheManager:
             else 0
         if hit is not None:
             self.stats.record_bridge(hit.num_bridge_tokens)
-        state.hit_tokens_by_admission.append(num_hit)
 
     def _cap_len(self, num_tokens: int) -> int:
         max_len = self.config.max_model_len

@@ -86,13 +86,17 @@ class RetentionPolicy(ABC):
         """Tier of a block freed with its request (finish or preemption)."""
         return self.scratch_tier if block.block_hash is None else self.cached_tier
 
+    def is_pinned_on_drop(self, block_end_token: int, num_skipped_tokens: int) -> bool:
+        """Whether a hashed window block ending at ``block_end_token`` is among the last
+        ``pin_drop_tokens`` tokens before the window's new start (``pin:T`` only)."""
+        return self.pin_drop_tokens is not None and (
+            block_end_token > num_skipped_tokens - self.pin_drop_tokens)
+
     def drop_tier(self, block: Block, block_end_token: int, num_skipped_tokens: int) -> FreeTier:
         """Tier of a window block released because it left the window."""
         if block.block_hash is None:
             return self.scratch_tier
-        if self.pin_drop_tokens is not None and (
-            block_end_token > num_skipped_tokens - self.pin_drop_tokens
-        ):
+        if self.is_pinned_on_drop(block_end_token, num_skipped_tokens):
             return FreeTier.PINNED
         return FreeTier.TAIL
 

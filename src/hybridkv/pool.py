@@ -145,12 +145,14 @@ class BlockPool:
                 break
             if queue.num_blocks:
                 taken.extend(queue.popleft_n(min(missing, queue.num_blocks)))
-        for block in taken:  # unlinked first: evictions below may relink other blocks
+        hashed: list[Block] = []
+        for block in taken:  # all unlinked first: evictions below may relink other blocks
             block.queue_id = None
             block.ref_count = 1
-        for block in taken:
             if block.block_hash is not None:
-                self._evict(block)
+                hashed.append(block)
+        for block in hashed:
+            self._evict(block)
         return taken
 
     def touch(self, blocks: Iterable[Block]) -> None:

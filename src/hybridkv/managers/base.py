@@ -252,13 +252,15 @@ class GroupManager(ABC):
         released.reverse()  # newest first
         table[first : last + 1] = [self.pool.null_block] * len(released)
         policy = self.retention
-        pin_tokens = policy.pin_drop_tokens
-        if pin_tokens is None:
+        if policy.pin_drop_tokens is None:
             self.pool.free_blocks(released, policy.scratch_tier, FreeTier.TAIL)
             return
-        # released[j] is table index last - j, ending at (last - j + 1) * block_size tokens
-        num_recent = max(0, min(len(released),
-                                last + 1 - (num_skipped - pin_tokens) // self.block_size))
+        # released[j] is table index last - j, ending at (last - j + 1) * block_size tokens;
+        # ends decrease along the list, so the blocks the policy pins form its prefix
+        num_recent = 0
+        while num_recent < len(released) and policy.is_pinned_on_drop(
+                (last - num_recent + 1) * self.block_size, num_skipped):
+            num_recent += 1
         self.pool.free_blocks(released[:num_recent], policy.scratch_tier, FreeTier.PINNED)
         self.pool.free_blocks(released[num_recent:], policy.scratch_tier, FreeTier.TAIL)
 

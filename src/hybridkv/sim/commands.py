@@ -240,8 +240,15 @@ def run_policies(source: Source, config: CacheConfig, policies: Sequence[str],
 
 
 def _throttled(progress: Progress, task: object) -> ProgressFn:
+    """Progress callback that touches the bar only when a request finished (the replay
+    calls it every step; most steps finish nothing)."""
+    shown = -1
+
     def update(num_finished: int, num_requests: int) -> None:
-        progress.update(task, completed=num_finished)  # type: ignore[arg-type]
+        nonlocal shown
+        if num_finished != shown:
+            shown = num_finished
+            progress.update(task, completed=num_finished)  # type: ignore[arg-type]
         del num_requests
 
     return update
