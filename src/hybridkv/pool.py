@@ -118,6 +118,10 @@ class BlockPool:
         """The cached block of ``group_id`` for ``block_hash``. Does not modify."""
         return self._index[group_id].get(block_hash)
 
+    def group_index(self, group_id: GroupId) -> Mapping[BlockHash, Block]:
+        """Read-only view of one group's hash → block index (hit searches probe it)."""
+        return self._index[group_id]
+
     def num_cached_blocks(self, group_id: GroupId) -> int:
         return len(self._index[group_id]) + sum(
             len(v) for v in self._duplicates[group_id].values()
@@ -151,8 +155,25 @@ class BlockPool:
             block.ref_count = 1
             if block.block_hash is not None:
                 hashed.append(block)
+        if not hashed:
+            return taken
+        if self.eviction is not None or any(self._duplicates):
+            for block in hashed:
+                self._evict(block)
+            return taken
+        # Fast path of ``_evict`` (no duplicates anywhere, no eviction policy): every hashed
+        # block is the primary entry of its hash.
+        evicted = self.num_evicted_blocks
         for block in hashed:
-            self._evict(block)
+            group_id, block_hash = block.hash_group_id, block.block_hash
+            assert group_id is not None and block_hash is not None
+            del self._index[group_id][block_hash]
+            block.block_hash = None
+            block.hash_group_id = None
+            block.num_hits = 0
+            block.parent_hash = None
+            block.is_dead = False
+            evicted[group_id] += 1
         return taken
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -163,8 +184,16 @@ class BlockPool:
             if block.is_null:
                 continue
             if block.ref_count == 0:
-                assert block.queue_id is not None
-                queues[block.queue_id].remove(block)
+                queue_id = block.queue_id
+                assert queue_id is not None
+                prev, nxt = block.prev_free, block.next_free
+                if prev is not None and nxt is not None:  # ``remove`` inlined (hot path)
+                    prev.next_free = nxt
+                    nxt.prev_free = prev
+                    block.prev_free = block.next_free = None
+                    queues[queue_id].num_blocks -= 1
+                else:
+                    queues[queue_id].remove(block)
                 block.queue_id = None
             block.ref_count += 1
             block.num_hits += 1
@@ -244,6 +273,24 @@ class BlockPool:
             index[block_hash] = block
         if self.eviction is not None:
             self.eviction.on_cached(block, parent_hash)
+
+    def cache_blocks(self, blocks: Sequence[Block], hashes: Sequence[BlockHash],
+                     group_id: GroupId) -> None:
+        """``cache_block`` of each ``(blocks[i], hashes[i])`` pair, without parent hashes (no
+        ``chain`` eviction), in one pass; skips null and already-hashed blocks."""
+        index = self._index[group_id]
+        policy = self.eviction
+        for block, block_hash in zip(blocks, hashes, strict=True):
+            if block.block_hash is not None or block.is_null:
+                continue
+            block.block_hash = block_hash
+            block.hash_group_id = group_id
+            if block_hash in index:
+                self._duplicates[group_id].setdefault(block_hash, []).append(block)
+            else:
+                index[block_hash] = block
+            if policy is not None:
+                policy.on_cached(block, None)
 
     def _evict(self, block: Block) -> None:
         """Remove ``block``'s hash from the index (its KV is about to be overwritten)."""

@@ -212,12 +212,21 @@ class GroupManager(ABC):
         chain_bs = self.chain_block_size
         indices: Iterable[int] = range(num_cached, num_full) if mask is None else \
             [num_cached + j for j, keep in enumerate(mask) if keep]
+        if chain_bs is None:
+            if mask is None and ratio == 1:
+                pool.cache_blocks(table[num_cached:num_full], hashes[num_cached:num_full],
+                                  group_id)
+            else:
+                picked = list(indices)
+                pool.cache_blocks([table[i] for i in picked],
+                                  [hashes[(i + 1) * ratio - 1] for i in picked], group_id)
+            self.num_cached_blocks[req_id] = num_full
+            return
         for i in indices:
             block = table[i]
             if block.is_null or block.block_hash is not None:
                 continue
-            parent = None if chain_bs is None else \
-                self._parent_hash(i, hashes, hash_block_size, chain_bs)
+            parent = self._parent_hash(i, hashes, hash_block_size, chain_bs)
             pool.cache_block(block, hashes[(i + 1) * ratio - 1], group_id, parent)
         self.num_cached_blocks[req_id] = num_full
 

@@ -28,6 +28,16 @@ class FullAttentionManager(GroupManager):
         tables: list[list[Block]] = [[] for _ in group_ids]
         max_blocks = min(max_num_tokens // bs, len(hashes))
         lookup = pool.get_cached_block
+        if len(group_ids) == 1:  # one dict probe per block, no per-block lists
+            get = pool.group_index(group_ids[0]).get
+            table = tables[0]
+            append = table.append
+            for i in range(max_blocks):
+                found_block = get(hashes[i])
+                if found_block is None:
+                    break
+                append(found_block)
+            max_blocks = 0
         for i in range(max_blocks):
             block_hash = hashes[i]
             found = [lookup(block_hash, g) for g in group_ids]
