@@ -49,3 +49,19 @@ def test_block_keys_are_prefix_keys() -> None:
     f2 = TraceRequest("f2", 12, 1, block_ids=(5,), trace_block_size=4)
     kf1, kf2 = block_keys(f1, 0, 4), block_keys(f2, 1, 4)
     assert kf1[0] == kf2[0] and kf1[1:] != kf2[1:]
+
+
+def test_equal_next_use_evicts_the_deeper_block_across_requests() -> None:
+    # Capacity 4 blocks. r0 caches (1,2,3,4); r1 rereads (1,2); r2 adds block (7), used
+    # by r3; r4 reads (1,2,3,4) again. After r2 five blocks compete for four places: (7)
+    # is needed soonest (r3); the other four are all next used by r4 — r0's (3,4) and r1's
+    # (1,2) — and MIN drops the deepest, (4), so r4 hits (1,2,3) = 12 tokens. Dropping the
+    # deepest block of the *latest* run instead, (2), would leave r4 a 4-token hit.
+    trace = Trace("t", (
+        TraceRequest("r0", 17, 1, block_ids=(1, 2, 3, 4), trace_block_size=4),
+        TraceRequest("r1", 9, 1, block_ids=(1, 2), trace_block_size=4),
+        TraceRequest("r2", 5, 1, block_ids=(7,), trace_block_size=4),
+        TraceRequest("r3", 5, 1, block_ids=(7,), trace_block_size=4),
+        TraceRequest("r4", 17, 1, block_ids=(1, 2, 3, 4), trace_block_size=4),
+    ))
+    assert offline_optimum(trace, 16, 4, 4).hit_tokens == 8 + 4 + 12
