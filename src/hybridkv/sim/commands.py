@@ -64,16 +64,22 @@ ALL_RETENTIONS = ("prepend", "latest", "interval:32768")
 ALL_EVICTIONS = ("", "+scan", "+chain", "+scan+chain", "+session", "+scan+chain+session")
 
 
+PREDICT_POLICIES = ("prepend+scan+predict", "latest+predict+recompute",
+                    "interval:32768+predict+recompute", "latest+scan+predict+recompute")
+"""The ``predict`` variants ``--policy all`` reports (one per family that can gain)."""
+
+
 def all_policies(has_sessions: bool) -> list[str]:
     """Every retention × eviction combination worth reporting (``--policy all``): the
     vLLM-equivalent retentions with each eviction order, then the sparse retentions with
-    window recompute; session ones only for traces with sessions."""
+    window recompute, then the ``predict`` variants; session ones only for traces with
+    sessions."""
     plain = [r + e for r in ALL_RETENTIONS for e in ALL_EVICTIONS
              if has_sessions or "session" not in e]
     bridged = [r + e + "+recompute" for r in ALL_RETENTIONS[1:]
                for e in ("", "+scan", "+scan+session")
                if has_sessions or "session" not in e]
-    return plain + bridged
+    return plain + bridged + list(PREDICT_POLICIES)
 
 
 def parse_policies(text: str, has_sessions: bool = False) -> list[str]:
@@ -206,35 +212,56 @@ def run_policy(source: Source, config: CacheConfig, policy: str, settings: Repla
 _WORK: tuple[Source, CacheConfig, ReplaySettings] | None = None
 """What forked workers replay (inherited through fork, never pickled)."""
 
+_LIMITS = ""
+"""Worker task name of the ceiling + bound computation (no policy has an empty name)."""
 
-def _run_in_worker(policy: str) -> PolicyRun:
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The report's reference columns: infinite-cache ceiling and offline optimum."""
+
+    ceiling: float
+    bound: float | None
+
+
+def source_limits(source: Source, config: CacheConfig) -> Limits:
+    return Limits(source_ceiling(source, config.alignment_tokens), source_bound(source, config))
+
+
+def _run_in_worker(task: str) -> PolicyRun | Limits:
     assert _WORK is not None
     source, config, settings = _WORK
-    return run_policy(source, config, policy, settings, None)
+    if task == _LIMITS:
+        return source_limits(source, config)
+    return run_policy(source, config, task, settings, None)
 
 
 def run_policies(source: Source, config: CacheConfig, policies: Sequence[str],
                  settings: ReplaySettings, *, jobs: int = 1,
-                 show_progress: bool = True) -> list[PolicyRun]:
-    """Replay every policy, in ``jobs`` forked processes when > 1 (results in order)."""
+                 show_progress: bool = True) -> tuple[Limits, list[PolicyRun]]:
+    """Compute the limits and replay every policy, in ``jobs`` forked processes when > 1
+    (the limits then run as one more task, last, beside the replays; results in order)."""
     if jobs < 1:
         raise ConfigError("--jobs", jobs, "must be a positive number of processes")
     if jobs == 1 or len(policies) == 1:
+        limits = source_limits(source, config)
         with _progress(show_progress) as progress:
-            return [run_policy(source, config, p, settings, progress) for p in policies]
+            return limits, [run_policy(source, config, p, settings, progress) for p in policies]
     global _WORK  # noqa: PLW0603 - handed to forked workers without pickling the trace
     _WORK = (source, config, settings)
     try:
         context = multiprocessing.get_context("fork")
         with _progress(show_progress) as progress, context.Pool(jobs) as pool:
             task = None if progress is None else progress.add_task(
-                f"{len(policies)} policies on {jobs} processes", total=len(policies))
-            runs: list[PolicyRun] = []
-            for run in pool.imap(_run_in_worker, policies):
-                runs.append(run)
+                f"{len(policies)} policies on {jobs} processes", total=len(policies) + 1)
+            results: list[PolicyRun | Limits] = []
+            for result in pool.imap(_run_in_worker, [*policies, _LIMITS]):
+                results.append(result)
                 if progress is not None and task is not None:
                     progress.advance(task)
-            return runs
+        computed = results.pop()
+        assert isinstance(computed, Limits)
+        return computed, [run for run in results if isinstance(run, PolicyRun)]
     finally:
         _WORK = None
 
@@ -319,14 +346,12 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
     for policy in policies:
         make_retention_policy(split_policy_name(policy)[0]).validate(
             config.alignment_tokens, True)
-    ceiling = source_ceiling(source, config.alignment_tokens)
-    bound = source_bound(source, config)
-    runs = run_policies(source, config, policies, settings, jobs=args.jobs,
-                        show_progress=not args.quiet)
-    report = Report(source.name, shape.name, ceiling, runs, {
+    limits, runs = run_policies(source, config, policies, settings, jobs=args.jobs,
+                                show_progress=not args.quiet)
+    report = Report(source.name, shape.name, limits.ceiling, runs, {
         "num_blocks": num_blocks, "max_running": settings.max_running,
         "chunk_size": settings.chunk_size, "hash_algo": args.hash_algo, "eagle": args.eagle,
-    }, bound)
+    }, limits.bound)
     render_table(report, console)
     if args.json:
         report.write_json(args.json)
