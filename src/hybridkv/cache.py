@@ -42,6 +42,7 @@ from hybridkv.policies import (
 )
 from hybridkv.pool import BlockPool
 from hybridkv.stats import PrefixCacheStats
+from hybridkv.tokens import RequestTokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +112,7 @@ class PrefillPlan:
 
 @dataclass(slots=True)
 class _RequestState:
-    token_ids: list[int]
+    token_ids: RequestTokens
     num_prompt_tokens: int
     block_hashes: list[BlockHash]
     extra_keys: ExtraKeys | None
@@ -190,23 +191,28 @@ class KVCacheManager:
         ``block_hashes`` lets a caller that hashes many prompts sharing prefixes (a trace
         replayer) pass the chain it computed with ``self.hasher`` for exactly these tokens;
         it must hold one hash per full ``hasher.block_size`` block (checked by length).
+        The manager then keeps ``prompt_token_ids`` by reference instead of copying it (it
+        reads only the ids past the last full block): the caller must not modify it.
         """
         if req_id in self._requests:
             raise DuplicateRequestError(req_id)
         if len(prompt_token_ids) == 0:
             raise ConfigError("prompt_token_ids", [], "a request needs at least one token")
         started = time.perf_counter()
-        tokens = list(prompt_token_ids)
-        num_full = len(tokens) // self.hasher.block_size
-        if not self.config.enable_caching:
-            hashes: list[BlockHash] = []
-        elif block_hashes is not None:
+        hb = self.hasher.block_size
+        num_full = len(prompt_token_ids) // hb
+        if block_hashes is not None and self.config.enable_caching:
             if len(block_hashes) != num_full:
                 raise ConfigError("block_hashes", f"<{len(block_hashes)} hashes>",
                                   f"need one per full block: {num_full}")
             hashes = list(block_hashes)
+            # kept by reference: only the ids past the hashed blocks are ever read
+            tokens = RequestTokens(prompt_token_ids, num_full * hb)
         else:
-            hashes = self.hasher.hash_blocks(tokens, extra_keys=extra_keys)
+            copied = list(prompt_token_ids)
+            hashes = self.hasher.hash_blocks(copied, extra_keys=extra_keys) \
+                if self.config.enable_caching else []
+            tokens = RequestTokens(copied, num_full * hb)
         self.hash_seconds += time.perf_counter() - started
         self._requests[req_id] = _RequestState(tokens, len(tokens), hashes, extra_keys,
                                                session_id=session_id)

@@ -149,31 +149,30 @@ class BlockPool:
                 break
             if queue.num_blocks:
                 taken.extend(queue.popleft_n(min(missing, queue.num_blocks)))
+        if self.eviction is None and not any(self._duplicates):
+            # Fast path (no eviction policy, no duplicate hashes anywhere): one pass; every
+            # hashed block is the primary entry of its hash and nothing gets relinked.
+            indexes, evicted = self._index, self.num_evicted_blocks
+            for block in taken:
+                block.queue_id = None
+                block.ref_count = 1
+                block_hash = block.block_hash
+                if block_hash is not None:
+                    group_id = block.hash_group_id
+                    assert group_id is not None
+                    del indexes[group_id][block_hash]
+                    block.block_hash = block.hash_group_id = None
+                    block.num_hits = 0
+                    evicted[group_id] += 1
+            return taken
         hashed: list[Block] = []
         for block in taken:  # all unlinked first: evictions below may relink other blocks
             block.queue_id = None
             block.ref_count = 1
             if block.block_hash is not None:
                 hashed.append(block)
-        if not hashed:
-            return taken
-        if self.eviction is not None or any(self._duplicates):
-            for block in hashed:
-                self._evict(block)
-            return taken
-        # Fast path of ``_evict`` (no duplicates anywhere, no eviction policy): every hashed
-        # block is the primary entry of its hash.
-        evicted = self.num_evicted_blocks
         for block in hashed:
-            group_id, block_hash = block.hash_group_id, block.block_hash
-            assert group_id is not None and block_hash is not None
-            del self._index[group_id][block_hash]
-            block.block_hash = None
-            block.hash_group_id = None
-            block.num_hits = 0
-            block.parent_hash = None
-            block.is_dead = False
-            evicted[group_id] += 1
+            self._evict(block)
         return taken
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -278,17 +277,15 @@ class BlockPool:
                      group_id: GroupId) -> None:
         """``cache_block`` of each ``(blocks[i], hashes[i])`` pair, without parent hashes (no
         ``chain`` eviction), in one pass; skips null and already-hashed blocks."""
-        index = self._index[group_id]
+        claim = self._index[group_id].setdefault
         policy = self.eviction
         for block, block_hash in zip(blocks, hashes, strict=True):
             if block.block_hash is not None or block.is_null:
                 continue
             block.block_hash = block_hash
             block.hash_group_id = group_id
-            if block_hash in index:
+            if claim(block_hash, block) is not block:  # one probe: index it unless taken
                 self._duplicates[group_id].setdefault(block_hash, []).append(block)
-            else:
-                index[block_hash] = block
             if policy is not None:
                 policy.on_cached(block, None)
 

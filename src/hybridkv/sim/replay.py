@@ -19,7 +19,13 @@ from hybridkv.config import CacheConfig
 from hybridkv.hashing import BlockHasher
 from hybridkv.ids import BlockHash
 from hybridkv.sim.scheduler import SchedRequest, Scheduler
-from hybridkv.sim.trace import OUTPUT_TOKEN_BASE, Trace, TraceRequest, expand_prompt
+from hybridkv.sim.trace import (
+    OUTPUT_TOKEN_BASE,
+    Trace,
+    TraceRequest,
+    expand_prompt,
+    prompt_slice,
+)
 
 ProgressFn = Callable[[int, int], None]
 """Called as ``progress(num_finished, num_requests)`` after each step."""
@@ -106,7 +112,15 @@ class LazyPrompt(Sequence[int]):
     @overload
     def __getitem__(self, idx: slice) -> Sequence[int]: ...
     def __getitem__(self, idx: int | slice) -> int | Sequence[int]:
-        return self._expand()[idx]
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            if step == 1:
+                return prompt_slice(self._request, self._index, start, stop)
+            return self._expand()[idx]
+        position = idx + len(self) if idx < 0 else idx
+        if not 0 <= position < len(self):
+            raise IndexError(idx)
+        return prompt_slice(self._request, self._index, position, position + 1)[0]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._expand())
@@ -155,8 +169,9 @@ class _PromptHasher:
         for i in range(num_whole):
             key = (parent, request.block_ids[i])
             chunk = self._memo.get(key)
-            if chunk is None:
-                chunk = self._hasher.hash_blocks(tokens[i * size : (i + 1) * size],
+            if chunk is None:  # a whole trace block's ids are a range (see expand_prompt)
+                first = request.block_ids[i] * size
+                chunk = self._hasher.hash_blocks(range(first, first + size),
                                                  parent=parent, first_block_idx=i * size // hb)
                 if len(self._memo) >= self.MAX_ENTRIES:
                     del self._memo[next(iter(self._memo))]

@@ -170,9 +170,9 @@ class Scheduler:
         manager = self.manager
         req_id = request.req_id
         if req_id not in self._registered:
-            tokens = list(request.prompt_token_ids)
-            hashes = None if request.hash_prompt is None else request.hash_prompt(tokens)
-            manager.add_request(req_id, tokens, session_id=request.session_id,
+            prompt = request.prompt_token_ids
+            hashes = None if request.hash_prompt is None else request.hash_prompt(prompt)
+            manager.add_request(req_id, prompt, session_id=request.session_id,
                                 block_hashes=hashes)
             self._registered.add(req_id)
         hit = manager.find_longest_hit(req_id)

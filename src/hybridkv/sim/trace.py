@@ -199,6 +199,40 @@ def expand_prompt(request: TraceRequest, request_index: int) -> list[int]:
     return prompt
 
 
+def prompt_slice(request: TraceRequest, request_index: int, start: int, stop: int,
+                 ) -> list[int]:
+    """``expand_prompt(request, request_index)[start:stop]`` (``0 <= start``), expanding only
+    those positions for block-id traces (a replayer reads a 100 k-token prompt's last
+    partial block without building the whole list).
+
+    >>> r = TraceRequest("r", input_length=10, output_length=1, block_ids=(5, 2),
+    ...                  trace_block_size=4)
+    >>> prompt_slice(r, 0, 3, 6) == expand_prompt(r, 0)[3:6] == [23, 8, 9]
+    True
+    """
+    if request.token_ids is not None or request.token_id_ranges or not request.trace_block_size:
+        return expand_prompt(request, request_index)[start:stop]
+    if not _is_int(request_index) or not 0 <= request_index < MAX_REQUEST_INDEX:
+        raise ConfigError("request_index", request_index,
+                          f"must be an integer in [0, {MAX_REQUEST_INDEX})")
+    num_tokens = request.input_length
+    start, stop = min(start, num_tokens), min(stop, num_tokens)
+    size = request.trace_block_size
+    num_explicit = min(len(request.block_ids) * size, num_tokens)
+    ids: list[int] = []
+    position = start
+    while position < min(stop, num_explicit):
+        offset = position % size
+        take = min(size - offset, min(stop, num_explicit) - position)
+        first = request.block_ids[position // size] * size + offset
+        ids.extend(range(first, first + take))
+        position += take
+    if stop > num_explicit:
+        base = FILL_TOKEN_BASE + request_index * FILL_TOKENS_PER_REQUEST
+        ids.extend(range(base + max(start, num_explicit), base + stop))
+    return ids
+
+
 def _expand_blocks(block_ids: Sequence[int], block_size: int, num_tokens: int) -> list[int]:
     # NOTE: extend(range(...)) per block runs the per-token loop in C (~19 ns/token), which
     # matters for the 730 M tokens of the WEKA trace; a nested comprehension is ~50% slower.
