@@ -175,6 +175,29 @@ class FreeBlockQueue:
         self._tail.prev_free = last
         self.num_blocks += count
 
+    def push_front_n(self, blocks: Iterable[Block]) -> None:
+        """Link ``blocks`` at the front of the linked list, behind the head stack, in the
+        given order: reused after every stacked block and before every block linked earlier
+        (``predict`` eviction files predicted-dead cached blocks here).
+
+        >>> b = [Block(i) for i in range(5)]
+        >>> q = FreeBlockQueue(b[:2]); q.prepend_n([b[2]]); q.push_front_n([b[3], b[4]])
+        >>> [x.block_id for x in q]
+        [2, 3, 4, 0, 1]
+        """
+        first = self._head.next_free
+        assert first is not None
+        last = self._head
+        count = 0
+        for block in blocks:
+            last.next_free = block
+            block.prev_free = last
+            last = block
+            count += 1
+        last.next_free = first
+        first.prev_free = last
+        self.num_blocks += count
+
     def prepend_n(self, blocks: Iterable[Block]) -> None:
         """Put ``blocks`` in front of the head, keeping their order (reused first)."""
         ordered = list(blocks)

@@ -236,8 +236,9 @@ class KVCacheManager:
     def remove_request(self, req_id: ReqId) -> None:
         """Forget a request, freeing its blocks if it still holds any."""
         state = self._state(req_id, "remove_request")
-        if state.is_running:
-            self._release(req_id, state, state.session_id)
+        if state.is_running:  # finished: the output length reaches the eviction policy
+            self._release(req_id, state, state.session_id,
+                          len(state.token_ids) - state.num_prompt_tokens)
         del self._requests[req_id]
 
     # ---------------------------------------------------------------- lookup
@@ -374,14 +375,18 @@ class KVCacheManager:
 
     def free(self, req_id: ReqId) -> None:
         """Release all blocks of a request (finish or preemption); it may be admitted again,
-        recomputing from token 0 (or a new prefix hit)."""
-        self._release(req_id, self._state(req_id, "free"), None)
+        recomputing from token 0 (or a new prefix hit). ``predict`` eviction treats it as a
+        preemption (no output-length signal): finished requests leave by ``remove_request``."""
+        self._release(req_id, self._state(req_id, "free"), None, None)
 
-    def _release(self, req_id: ReqId, state: _RequestState, session_id: str | None) -> None:
+    def _release(self, req_id: ReqId, state: _RequestState, session_id: str | None,
+                 num_output_tokens: int | None) -> None:
+        """``num_output_tokens``: tokens appended since the prompt, for a finished request
+        (``predict`` eviction's signal); ``None`` on preemption (unknown: treated as live)."""
         started = time.perf_counter()
         if not state.is_running:
             raise DoubleFreeError(req_id)
-        self.coordinator.free(req_id, session_id)
+        self.coordinator.free(req_id, session_id, num_output_tokens)
         state.is_running = False
         state.num_computed_tokens = 0
         state.junction_tokens = 0

@@ -303,10 +303,21 @@ class HybridCoordinator:
             manager.cache_blocks(req_id, hashes, self.hash_block_size, cacheable, boundaries,
                                  bridge_end_tokens)
 
-    def free(self, req_id: ReqId, session_id: str | None = None) -> None:
+    def free(self, req_id: ReqId, session_id: str | None = None,
+             num_output_tokens: int | None = None) -> None:
+        """Release every group's blocks. ``session_id`` / ``num_output_tokens`` describe a
+        finished request (``None`` on preemption); an eviction policy sees the whole release
+        between ``start_release`` and ``end_release``."""
         self._next_release.pop(req_id, None)
-        if session_id is not None and self.pool.eviction is not None:
-            self.pool.eviction.start_release(self.pool, session_id)
+        eviction = self.pool.eviction
+        if eviction is not None:  # never batched (see _make_units)
+            eviction.start_release(self.pool, session_id, num_output_tokens)
+            try:
+                for manager in self.managers:
+                    manager.free(req_id, session_id)
+            finally:
+                eviction.end_release(self.pool)
+            return
         if self._units_are_batches:
             for unit in self._units:
                 if isinstance(unit, SiblingBatch):

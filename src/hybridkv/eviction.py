@@ -20,25 +20,155 @@ retention (which decides *what* is hashed). Combined with a retention policy by 
     boundary) go to the session queue, evicted after every non-session block. A newer request
     of the same conversation supersedes them (they are demoted); the queue holds at most
     ``session_fraction`` of the pool, the least recently active conversation demoted first.
+``predict``
+    Learned dead-on-arrival prediction (SHiP-like). The signature of a finished request is
+    ``output_signature(num_output_tokens)`` = ⌊log2 n⌋ + 1 (0 → 0, 1 → 1, 32–63 → 6,
+    128–255 → 8). When it releases its blocks, those never hit since cached (``num_hits ==
+    0``) are *candidates*; if the signature is predicted dead they go to the front of the
+    free queue's linked list — reused after the unhashed scratch of the head stack, before
+    every LRU (or ``scan`` probation) block; the newest release goes first. Window blocks of
+    the release follow the same prediction (a window tail is useless without its
+    full-attention prefix). Learning (``ReusePredictor``): each candidate full-attention
+    block is logged by hash with the signature and the clock (full-attention blocks
+    released so far ≈ block accesses); another access to the hash — a hit, or a recompute
+    after its eviction, so the predictor's own evictions cannot hide reuse — before the
+    entry is ``predict_horizon`` × pool blocks old counts the signature reused, expiry
+    without one counts it dead. A signature is live while it has fewer than
+    ``predict_min_samples`` resolved entries or its reuse rate is at least
+    ``predict_threshold`` × the global rate: e.g. 40 reused of 200 globally (0.2),
+    signature 9 with 3 of 50 (0.06 < 0.5 × 0.2) is dead, signature 6 with 30 of 40 is live.
+    The history holds about ``predict_horizon`` × pool entries (memory stays flat).
+    Preemptions (``free``) carry no signature: never predicted dead, never logged (their
+    blocks still count as accesses). Chain-dead blocks still go first; ``pin:T``'s pinned
+    tier still wins; ``predict`` goes before ``session`` protection and ``scan``'s queues.
+    Without a full-attention group it never predicts.
 
 Every operation is O(1) per block (amortised for the demotions, each of which moves a block
-that entered the queue once).
+that entered the queue once, and for the prediction history, whose entries each expire once).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from hybridkv.block import DEAD_QUEUE, PROTECTED_QUEUE, SESSION_QUEUE, Block
-from hybridkv.errors import ConfigError
+from hybridkv.block import DEAD_QUEUE, FREE_QUEUE, PROTECTED_QUEUE, SESSION_QUEUE, Block
+from hybridkv.errors import ConfigError, InvariantViolation
 from hybridkv.ids import BlockHash, GroupId
 from hybridkv.pool import BlockPool, FreeTier
 
-EVICTION_NAMES = ("lru", "scan", "chain", "session")
+EVICTION_NAMES = ("lru", "scan", "chain", "session", "predict")
 ROOT_PARENT = BlockHash(b"")
 """``parent_hash`` of a first full-attention block: its usefulness depends on nothing."""
+
+
+def output_signature(num_output_tokens: int) -> int:
+    """``predict``'s signature of a finished request: ⌊log2 n⌋ + 1, 0 for no output.
+
+    >>> [output_signature(n) for n in (0, 1, 2, 3, 31, 32, 64, 127, 128, 512)]
+    [0, 1, 2, 2, 5, 6, 7, 7, 8, 10]
+    """
+    return max(num_output_tokens, 0).bit_length()
+
+
+class ReusePredictor:
+    """Per-signature reuse rates learned from a bounded history of logged blocks.
+
+    ``access`` logs a full-attention block hash with a signature at the current ``clock``;
+    the entry resolves *reused* when a later ``access`` of the hash (a hit, or a recompute
+    after its eviction) comes before it is ``horizon`` clock ticks old, else *dead* when
+    ``expire`` finds it older. Worked example (horizon 4, threshold 0.5, min_samples 2):
+    sig 1 logs h1, h2 and sig 9 logs h3, h4 at clock 0; h1, h2 are accessed again; at clock
+    5 (age 5 > 4) h3, h4 expire dead: sig 1 has 2/2 reused, sig 9 0/2, global 2/4; sig 9 is
+    dead (0 < 0.5 × 0.5), sig 1 live, sig 6 live (no samples).
+
+    >>> p = ReusePredictor(horizon=4, threshold=0.5, min_samples=2)
+    >>> for h, sig in ((b"h1", 1), (b"h2", 1), (b"h3", 9), (b"h4", 9)):
+    ...     p.access(BlockHash(h), sig)
+    >>> p.access(BlockHash(b"h1"), None); p.access(BlockHash(b"h2"), 6)
+    >>> p.clock = 5; p.expire({})
+    >>> p.is_live(1), p.is_live(9), p.is_live(6), len(p.history)
+    (True, False, True, 0)
+
+    Invariants (``check``): history entries are in non-decreasing log time, none in the
+    future; an entry counts once (reused, or dead at expiry); when the clock advances at
+    least one tick per logged entry (as ``EvictionPolicy`` drives it: one per released
+    full-attention block), ``len(history) <= horizon`` after ``expire`` — memory is flat.
+    """
+
+    def __init__(self, horizon: int, threshold: float, min_samples: int) -> None:
+        self.horizon = horizon
+        self.threshold = threshold
+        self.min_samples = min_samples
+        self.clock = 0
+        """Full-attention blocks released so far (the history's time unit)."""
+        self.history: OrderedDict[BlockHash, list[int]] = OrderedDict()
+        """hash → [signature, log time, reused (0/1)], oldest first."""
+        self.num_reused: dict[int, int] = {}
+        self.num_dead: dict[int, int] = {}
+        self.total_reused = 0
+        self.total_dead = 0
+
+    def is_live(self, signature: int) -> bool:
+        """Predicted to be hit again: too few samples, or a reuse rate at least
+        ``threshold`` × the global rate."""
+        reused = self.num_reused.get(signature, 0)
+        resolved = reused + self.num_dead.get(signature, 0)
+        if resolved < self.min_samples:
+            return True
+        total = self.total_reused + self.total_dead
+        return reused * total >= self.threshold * self.total_reused * resolved
+
+    def access(self, block_hash: BlockHash, signature: int | None) -> None:
+        """A released block was accessed by its request: a watched hash counts one reuse
+        for its entry's signature (once per entry) — whether the request hit it or had to
+        recompute it, so eviction decisions do not bias the learning; an unwatched one is
+        logged when ``signature`` is given (a finished request's never-hit block)."""
+        entry = self.history.get(block_hash)
+        if entry is None:
+            if signature is not None:
+                self.history[block_hash] = [signature, self.clock, 0]
+        elif not entry[2]:
+            entry[2] = 1
+            self._count_reused(entry[0])
+
+    def expire(self, index: Mapping[BlockHash, Block]) -> None:
+        """Resolve entries older than the horizon; one still cached and hit since (its
+        hitter has not released it yet: ``num_hits > 0`` in ``index``) counts reused."""
+        history = self.history
+        oldest = self.clock - self.horizon
+        while history:
+            block_hash, entry = next(iter(history.items()))
+            if entry[1] >= oldest:
+                break
+            del history[block_hash]
+            if entry[2]:
+                continue
+            block = index.get(block_hash)
+            if block is not None and block.num_hits > 0:
+                self._count_reused(entry[0])
+            else:
+                self.num_dead[entry[0]] = self.num_dead.get(entry[0], 0) + 1
+                self.total_dead += 1
+
+    def _count_reused(self, signature: int) -> None:
+        self.num_reused[signature] = self.num_reused.get(signature, 0) + 1
+        self.total_reused += 1
+
+    def check(self) -> None:
+        """Verify the invariants (after ``expire``)."""
+        if len(self.history) > self.horizon:
+            raise InvariantViolation(f"predict history holds {len(self.history)} entries, "
+                                     f"horizon {self.horizon}")
+        last = 0
+        for _, log_time, _ in self.history.values():
+            if not last <= log_time <= self.clock:
+                raise InvariantViolation(f"predict history out of order at time {log_time}")
+            last = log_time
+        if sum(self.num_reused.values()) != self.total_reused or \
+                sum(self.num_dead.values()) != self.total_dead:
+            raise InvariantViolation("predict per-signature counts do not add up")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,21 +178,32 @@ class EvictionOptions:
     scan: bool = False
     chain: bool = False
     session: bool = False
+    predict: bool = False
     protected_fraction: float = 0.8
     session_fraction: float = 0.5
+    predict_horizon: float = 0.5
+    """``predict``: history horizon, in pool blocks' worth of released full-attention
+    blocks (18,481 blocks → 9,240)."""
+    predict_threshold: float = 0.5
+    """``predict``: a signature is dead below this fraction of the global reuse rate."""
+    predict_min_samples: int = 32
+    """``predict``: resolved entries a signature needs before it can be predicted dead."""
 
     @property
     def name(self) -> str:
         parts = [n for n, on in (("scan", self.scan), ("chain", self.chain),
-                                  ("session", self.session)) if on]
+                                  ("session", self.session), ("predict", self.predict)) if on]
         return "+".join(parts) or "lru"
 
 
 class EvictionPolicy:
     """Places freed cached blocks into the pool's queues; hooks into caching and eviction.
 
-    Invariants (checked through the pool's): a block carries ``is_dead`` only while hashed;
-    every block in the session queue is recorded in ``_session_blocks`` under its owner.
+    Invariants (``check_invariants``, called by the pool's): a block carries ``is_dead``
+    only while hashed; every block in the session queue is recorded in ``_session_blocks``
+    under its owner; (``predict``) every block in ``_predicted`` is hashed, and walking the
+    free queue's linked list no other hashed block precedes a predicted-dead one (they are
+    evicted before every LRU block; unhashed blocks may sit anywhere).
     """
 
     def __init__(self, options: EvictionOptions, num_blocks: int,
@@ -77,6 +218,17 @@ class EvictionPolicy:
         # session: conversation -> blocks it protects, least recently active first
         self._session_blocks: OrderedDict[str, list[Block]] = OrderedDict()
         self._session_owner: dict[int, str] = {}
+        # predict: the learner, its key group, and the release in progress
+        self.predict_group_id = chain_group_id if options.predict else None
+        self.predictor = None if self.predict_group_id is None else ReusePredictor(
+            max(1, int(options.predict_horizon * (num_blocks - 1))),
+            options.predict_threshold, options.predict_min_samples)
+        self._release_signature: int | None = None
+        self._release_is_dead = False
+        self._predicted: set[int] = set()
+        """Ids of blocks filed predicted-dead, until reallocated or released again."""
+        self.num_predicted_dead = 0
+        """Blocks filed predicted-dead so far (a counter for reports and tests)."""
 
     # ---------------------------------------------------------------- caching
     def on_cached(self, block: Block, parent_hash: BlockHash | None) -> None:
@@ -89,6 +241,8 @@ class EvictionPolicy:
     def on_evicted(self, pool: BlockPool, block: Block, block_hash: BlockHash,
                    group_id: GroupId, *, still_cached: bool) -> None:
         """``block`` lost ``block_hash``; with ``chain``, its dependents may die."""
+        if self.predictor is not None:
+            self._predicted.discard(block.block_id)
         if self.chain_group_id is None:
             return
         parent = block.parent_hash
@@ -115,6 +269,8 @@ class EvictionPolicy:
     def place(self, pool: BlockPool, blocks: list[Block], default_tier: FreeTier,
               session_id: str | None) -> None:
         """Link freed hashed blocks (ref 0), in order, into their queues."""
+        if self.predictor is not None:
+            self._learn(blocks)
         if default_tier is FreeTier.PINNED:  # the pin:T retention tier wins
             pool.link(blocks, default_tier)
             return
@@ -124,6 +280,8 @@ class EvictionPolicy:
             (dead if self._is_dead(pool, block) else live).append(block)
         if dead:
             pool.link(dead, FreeTier.DEAD)
+        if self._release_is_dead and live:
+            live = self._file_predicted_dead(pool, live)
         if not live:
             return
         if self.options.session and session_id is not None:
@@ -162,16 +320,65 @@ class EvictionPolicy:
             return True
         return False
 
-    def start_release(self, pool: BlockPool, session_id: str) -> None:
-        """A finished request of ``session_id`` is about to release its groups' blocks:
-        the session's previous protected set is superseded (demoted) once, and the blocks
-        of every group released next form the new set."""
-        if not self.options.session:
+    # ---------------------------------------------------------------- predict
+    def _learn(self, blocks: Sequence[Block]) -> None:
+        """Feed one ``place`` call to the predictor: every released full-attention block is
+        an access (a watched hash counts reused; a finished request's never-hit block is
+        logged); the clock advances by the full-attention blocks released."""
+        predictor = self.predictor
+        assert predictor is not None
+        group_id = self.predict_group_id
+        signature = self._release_signature
+        released = 0
+        for block in blocks:
+            if block.hash_group_id != group_id:
+                continue
+            released += 1
+            block_hash = block.block_hash
+            assert block_hash is not None
+            predictor.access(block_hash, None if block.num_hits else signature)
+        predictor.clock += released
+        if self._predicted:  # released again (after a hit): no longer predicted dead
+            self._predicted.difference_update(b.block_id for b in blocks)
+
+    def _file_predicted_dead(self, pool: BlockPool, blocks: list[Block]) -> list[Block]:
+        """Link never-hit blocks of a predicted-dead release at the front of the free
+        queue's linked list (behind the scratch stack); return the others."""
+        doomed = [b for b in blocks if b.num_hits == 0]
+        if not doomed:
+            return blocks
+        for block in doomed:
+            block.queue_id = FREE_QUEUE
+            self._predicted.add(block.block_id)
+        pool.queues[FREE_QUEUE].push_front_n(doomed)
+        self.num_predicted_dead += len(doomed)
+        return [b for b in blocks if b.num_hits > 0]
+
+    def start_release(self, pool: BlockPool, session_id: str | None,
+                      num_output_tokens: int | None = None) -> None:
+        """A request is about to release its groups' blocks; ``end_release`` follows.
+
+        ``session_id`` is set for a finished request of a conversation: the session's
+        previous protected set is superseded (demoted) once, and the blocks of every group
+        released next form the new set. ``num_output_tokens`` is set for a finished request
+        (``None`` on preemption): ``predict`` decides once for the whole release."""
+        if self.predictor is not None and num_output_tokens is not None:
+            signature = output_signature(num_output_tokens)
+            self._release_signature = signature
+            self._release_is_dead = not self.predictor.is_live(signature)
+        if not self.options.session or session_id is None:
             return
         previous = self._session_blocks.pop(session_id, None)
         if previous is not None:
             self._demote(pool, session_id, previous)
         self._session_blocks[session_id] = []
+
+    def end_release(self, pool: BlockPool) -> None:
+        """The release is over: forget its prediction, resolve expired history entries."""
+        self._release_signature = None
+        self._release_is_dead = False
+        if self.predictor is not None and self.predict_group_id is not None:
+            self.predictor.expire(pool.group_index(self.predict_group_id))
 
     def _protect_session(self, pool: BlockPool, session_id: str, blocks: list[Block]) -> None:
         for block in blocks:
@@ -204,9 +411,37 @@ class EvictionPolicy:
             self._link_by_hits(pool, demoted, FreeTier.TAIL)
 
 
+    # ------------------------------------------------------------- invariants
+    def check_invariants(self, pool: BlockPool) -> None:
+        """Verify the class invariants (the pool's ``check_invariants`` calls this)."""
+        for block in pool.blocks:
+            if block.is_dead and block.block_hash is None:
+                raise InvariantViolation(f"{block!r} is marked dead but not hashed")
+        for block in pool.queues[SESSION_QUEUE]:
+            owner = self._session_owner.get(block.block_id)
+            if owner is None or all(b is not block for b in self._session_blocks.get(owner, ())):
+                raise InvariantViolation(f"{block!r} is in the session queue without an owner")
+        if self.predictor is not None:
+            self.predictor.check()
+        predicted = self._predicted
+        for block_id in predicted:
+            if pool.blocks[block_id].block_hash is None:
+                raise InvariantViolation(f"{pool.blocks[block_id]!r} predicted dead, unhashed")
+        if not predicted:
+            return
+        seen_lru = None
+        for block in pool.free_queue:
+            if block.block_id in predicted:
+                if seen_lru is not None:
+                    raise InvariantViolation(f"predicted-dead {block!r} queued behind the "
+                                             f"cached LRU block {seen_lru!r}")
+            elif block.block_hash is not None:
+                seen_lru = block
+
+
 def parse_eviction(parts: Sequence[str]) -> EvictionOptions:
     """Eviction options from name parts (``["scan", "chain"]``); ``lru`` alone is the default."""
-    flags = {"scan": False, "chain": False, "session": False}
+    flags = {"scan": False, "chain": False, "session": False, "predict": False}
     for part in parts:
         if part == "lru":
             continue

@@ -211,7 +211,7 @@ def make_retention_policy(name: str) -> RetentionPolicy:
     text, modifiers = split_policy_name(name)
     if modifiers:
         raise ConfigError("policy", name, "name a retention policy alone here; eviction "
-                          "modifiers (+scan, +chain, +session) go to KVCacheManager")
+                          "modifiers (+scan, +chain, +session, +predict) go to KVCacheManager")
     simple: dict[str, type[RetentionPolicy]] = {
         "dense": DensePolicy, "reachable": ReachablePolicy,
         "prepend": PrependPolicy, "latest": LatestPolicy,

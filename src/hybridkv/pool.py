@@ -7,7 +7,9 @@ block evicts it. Allocation takes blocks from the free queues in this order::
     dead  →  free (scratch at the head, then LRU)  →  protected  →  session  →  pinned
 
 ``dead``, ``protected`` and ``session`` are filled only by eviction policies (``chain``,
-``scan``, ``session``); ``pinned`` only by the ``pin:T`` retention policy. With the default
+``scan``, ``session``); ``pinned`` only by the ``pin:T`` retention policy. ``predict`` links
+predicted-dead cached blocks at the front of the free queue's linked list, behind the
+scratch head stack (``FreeBlockQueue.push_front_n``). With the default
 ``lru`` eviction every freed block goes to the one free queue, exactly as in vLLM. Since
 allocation falls through every queue, no tier can ever stall allocation.
 """
@@ -343,6 +345,8 @@ class BlockPool:
             if (block.block_hash is None) != (block.hash_group_id is None):
                 raise InvariantViolation(f"{block!r}: hash without group or group without hash")
         self._check_index()
+        if self.eviction is not None:
+            self.eviction.check_invariants(self)
 
     def _check_index(self) -> None:
         indexed: set[int] = set()

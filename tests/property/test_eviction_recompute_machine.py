@@ -2,9 +2,11 @@
 
 ``ManagerMachine`` (test_manager_state_machine.py) checks invariants and a content oracle for
 the retention policies; here every setup also draws eviction modifiers (``scan``, ``chain``,
-``session``) and ``+recompute``. Checks that depend on LRU order or on plain hits (free
-order, hit maximality, retention guarantees) do not apply and are switched off; the content
-oracle gets stricter instead:
+``session``, ``predict``) and ``+recompute``. ``predict`` either learns fast (a tiny horizon,
+one-sample signatures) or has its verdict forced by the signature's parity, so that
+predicted-dead blocks are filed within a test case; its learning runs either way. Checks
+that depend on LRU order or on plain hits (free order, hit maximality, retention
+guarantees) do not apply and are switched off; the content oracle gets stricter instead:
 
 - a bridge plan hands out full-attention blocks up to ``F`` whose content is exactly the
   prefix, and window blocks only where a warm bridge has a real tail at ``s``;
@@ -24,16 +26,32 @@ from strategies import HybridSetup, hybrid_setups, needed_blocks
 from test_manager_state_machine import Content, ManagerMachine
 
 from hybridkv import PrefixHit, SlidingWindowSpec
+from hybridkv.eviction import ReusePredictor
 
 INEXACT: Content = (-1, ())
-EVICTIONS = ("", "+scan", "+chain", "+session", "+scan+chain", "+scan+chain+session")
+
+
+class ParityPredictor(ReusePredictor):
+    """Learns as usual, but predicts dead every signature of the given parity."""
+
+    def __init__(self, dead_parity: int) -> None:
+        super().__init__(horizon=3, threshold=0.9, min_samples=1)
+        self.dead_parity = dead_parity
+
+    def is_live(self, signature: int) -> bool:
+        return signature % 2 != self.dead_parity
+
+
+EVICTIONS = ("", "+scan", "+chain", "+session", "+scan+chain", "+scan+chain+session",
+             "+predict", "+scan+predict", "+scan+chain+session+predict")
 
 
 class EvictionRecomputeMachine(ManagerMachine):
     @initialize(setup=hybrid_setups(), eviction=st.sampled_from(EVICTIONS),
-                recompute=st.booleans(), sparse=st.booleans())
+                recompute=st.booleans(), sparse=st.booleans(),
+                dead_parity=st.sampled_from((None, 0, 1)))
     def init_manager(self, setup: HybridSetup, eviction: str, recompute: bool,
-                     sparse: bool) -> None:
+                     sparse: bool, dead_parity: int | None = None) -> None:
         retention = setup.policy
         if recompute and sparse:  # bridges need missing tails: favour `latest`
             retention = "latest"
@@ -41,6 +59,10 @@ class EvictionRecomputeMachine(ManagerMachine):
         super().init_manager(HybridSetup(setup.layers, setup.num_blocks, policy,
                                          setup.use_eagle, setup.eagle_group_ids))
         self.bridges = 0
+        evictor = self.manager.pool.eviction
+        if evictor is not None and evictor.predictor is not None:  # learn fast, flip often
+            evictor.predictor = ReusePredictor(horizon=3, threshold=0.9, min_samples=1) \
+                if dead_parity is None else ParityPredictor(dead_parity)
 
     # the LRU/plain-hit specific checks of the base machine do not apply here
     def guaranteed_boundaries(self, req_id: str, num_computed: int) -> list[int]:
@@ -93,6 +115,12 @@ class EvictionRecomputeMachine(ManagerMachine):
             for idx, block_id in enumerate(table[:max(first_exact, 0)]):
                 if block_id and start < (idx + 1) * spec.block_size <= end:
                     self.content[block_id] = INEXACT  # bridge KV with incomplete windows
+
+    @invariant()
+    def note_predictions(self) -> None:
+        evictor = self.manager.pool.eviction
+        if evictor is not None and evictor.num_predicted_dead:
+            event("predict: blocks filed predicted-dead")
 
     @invariant()
     def tables_hold_the_right_content(self) -> None:
