@@ -151,10 +151,11 @@ class BlockPool:
                 break
             if queue.num_blocks:
                 taken.extend(queue.popleft_n(min(missing, queue.num_blocks)))
-        if self.eviction is None and not any(self._duplicates):
-            # Fast path (no eviction policy, no duplicate hashes anywhere): one pass; every
-            # hashed block is the primary entry of its hash and nothing gets relinked.
-            indexes, evicted = self._index, self.num_evicted_blocks
+        if self.eviction is None:
+            # Fast path (no eviction policy, so nothing gets relinked): one pass; a hashed
+            # block whose hash has no duplicate copy is the primary entry of that hash.
+            indexes, duplicates = self._index, self._duplicates
+            evicted = self.num_evicted_blocks
             for block in taken:
                 block.queue_id = None
                 block.ref_count = 1
@@ -162,6 +163,9 @@ class BlockPool:
                 if block_hash is not None:
                     group_id = block.hash_group_id
                     assert group_id is not None
+                    if block_hash in duplicates[group_id]:
+                        self._evict(block)
+                        continue
                     del indexes[group_id][block_hash]
                     block.block_hash = block.hash_group_id = None
                     block.num_hits = 0

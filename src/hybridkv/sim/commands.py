@@ -236,6 +236,20 @@ def _run_in_worker(task: str) -> PolicyRun | Limits:
     return run_policy(source, config, task, settings, None)
 
 
+def _dispatch_order(tasks: Sequence[str]) -> list[int]:
+    """Task indices, expected-longest first (a greedy longest-first schedule shortens the
+    run on few processes): retentions that hash every reachable window block (``dense``,
+    ``reachable``, ``prepend``, ``pin:T``) cost about twice ``latest`` / ``interval:N`` on
+    long traces; the limits go last. E.g. ``[latest, dense, ""]`` → ``[1, 0, 2]``."""
+    def rank(index: int) -> int:
+        name = tasks[index]
+        if name == _LIMITS:
+            return 2
+        retention = split_policy_name(name)[0]
+        return 1 if retention == "latest" or retention.startswith("interval:") else 0
+    return sorted(range(len(tasks)), key=rank)
+
+
 def run_policies(source: Source, config: CacheConfig, policies: Sequence[str],
                  settings: ReplaySettings, *, jobs: int = 1,
                  show_progress: bool = True) -> tuple[Limits, list[PolicyRun]]:
@@ -254,14 +268,19 @@ def run_policies(source: Source, config: CacheConfig, policies: Sequence[str],
         with _progress(show_progress) as progress, context.Pool(jobs) as pool:
             task = None if progress is None else progress.add_task(
                 f"{len(policies)} policies on {jobs} processes", total=len(policies) + 1)
-            results: list[PolicyRun | Limits] = []
-            for result in pool.imap(_run_in_worker, [*policies, _LIMITS]):
-                results.append(result)
+            tasks = [*policies, _LIMITS]
+            results: dict[int, PolicyRun | Limits] = {}
+            order = _dispatch_order(tasks)
+            for position, result in zip(order, pool.imap(_run_in_worker,
+                                                          [tasks[i] for i in order]),
+                                        strict=True):
+                results[position] = result
                 if progress is not None and task is not None:
                     progress.advance(task)
-        computed = results.pop()
+        computed = results.pop(len(policies))
         assert isinstance(computed, Limits)
-        return computed, [run for run in results if isinstance(run, PolicyRun)]
+        runs = [results[i] for i in range(len(policies))]
+        return computed, [run for run in runs if isinstance(run, PolicyRun)]
     finally:
         _WORK = None
 

@@ -1,0 +1,26 @@
+"""The worked examples in docstrings are executed: a stale example fails here."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import hybridkv
+
+MODULES = sorted(m.name for m in pkgutil.walk_packages(hybridkv.__path__, "hybridkv.")
+                 if ".engine" not in m.name)  # engine examples need torch tensors: none yet
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name: str) -> None:
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
+
+
+def test_examples_exist() -> None:
+    attempted = sum(doctest.testmod(importlib.import_module(n), optionflags=doctest.ELLIPSIS)
+                    .attempted for n in MODULES)
+    assert attempted >= 20
