@@ -90,6 +90,9 @@ class HybridCoordinator:
         self._releasing_units = [u for u in self._units if not _is_full_attention(u)]
         self._last_full_attention: tuple[int, list[list[Block]]] = (0, [])
         self._next_release: dict[ReqId, int] = {}
+        self._covered_tokens: dict[ReqId, int] = {}
+        """Slots every group's table covers after the request's last allocation (tables
+        only grow by allocation while the request runs; dropped on free)."""
         """Per running request: computed tokens before which no window block can leave."""
         self._bridge_tokens = _bridge_tokens(config)
         if chain_group_id is not None:  # chain eviction: record each block's parent hash
@@ -244,7 +247,10 @@ class HybridCoordinator:
         return total
 
     def num_blocks_to_grow(self, req_id: ReqId, num_tokens: int) -> int:
-        """Blocks a running request's tables need to cover ``num_tokens`` slots."""
+        """Blocks a running request's tables need to cover ``num_tokens`` slots (0 at once
+        while the last allocation's tables already cover them: most decode steps)."""
+        if num_tokens <= self._covered_tokens.get(req_id, 0):
+            return 0
         total = 0
         for manager in self.managers:
             missing = -(-num_tokens // manager.block_size) - len(manager.tables[req_id])
@@ -259,14 +265,19 @@ class HybridCoordinator:
             manager.add_hit_blocks(req_id, hit_blocks, num_hit_tokens)
 
     def allocate_new_blocks(self, req_id: ReqId, num_tokens: int) -> list[list[Block]]:
+        """Grow every group's table to cover ``num_tokens`` slots; records the slots all
+        tables cover (e.g. bs 16 and 64 tables of 3 and 1 blocks cover min(48, 64) = 48)."""
         if not self._units_are_batches:
-            return [m.allocate_new_blocks(req_id, num_tokens) for m in self.managers]
-        new_blocks: list[list[Block]] = []
-        for unit in self._units:
-            if isinstance(unit, SiblingBatch):
-                new_blocks.extend(unit.allocate_new_blocks(req_id, num_tokens))
-            else:
-                new_blocks.append(unit.allocate_new_blocks(req_id, num_tokens))
+            new_blocks = [m.allocate_new_blocks(req_id, num_tokens) for m in self.managers]
+        else:
+            new_blocks = []
+            for unit in self._units:
+                if isinstance(unit, SiblingBatch):
+                    new_blocks.extend(unit.allocate_new_blocks(req_id, num_tokens))
+                else:
+                    new_blocks.append(unit.allocate_new_blocks(req_id, num_tokens))
+        self._covered_tokens[req_id] = min(len(m.tables[req_id]) * m.block_size
+                                           for m in self.managers)
         return new_blocks
 
     def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:
@@ -309,6 +320,7 @@ class HybridCoordinator:
         finished request (``None`` on preemption); an eviction policy sees the whole release
         between ``start_release`` and ``end_release``."""
         self._next_release.pop(req_id, None)
+        self._covered_tokens.pop(req_id, None)
         eviction = self.pool.eviction
         if eviction is not None:  # never batched (see _make_units)
             eviction.start_release(self.pool, session_id, num_output_tokens)

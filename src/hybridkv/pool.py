@@ -284,6 +284,7 @@ class BlockPool:
         """``cache_block`` of each ``(blocks[i], hashes[i])`` pair, without parent hashes (no
         ``chain`` eviction), in one pass; skips null and already-hashed blocks."""
         claim = self._index[group_id].setdefault
+        duplicates = self._duplicates[group_id]
         policy = self.eviction
         for block, block_hash in zip(blocks, hashes, strict=True):
             if block.block_hash is not None or block.is_null:
@@ -291,7 +292,11 @@ class BlockPool:
             block.block_hash = block_hash
             block.hash_group_id = group_id
             if claim(block_hash, block) is not block:  # one probe: index it unless taken
-                self._duplicates[group_id].setdefault(block_hash, []).append(block)
+                extra = duplicates.get(block_hash)
+                if extra is None:
+                    duplicates[block_hash] = [block]
+                else:
+                    extra.append(block)
             if policy is not None:
                 policy.on_cached(block, None)
 

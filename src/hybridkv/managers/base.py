@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from itertools import compress
 from typing import ClassVar
 
 from hybridkv.block import Block
@@ -211,7 +212,7 @@ class GroupManager(ABC):
         pool, group_id = self.pool, self.group_id
         chain_bs = self.chain_block_size
         indices: Iterable[int] = range(num_cached, num_full) if mask is None else \
-            [num_cached + j for j, keep in enumerate(mask) if keep]
+            compress(range(num_cached, num_full), mask)
         if chain_bs is None:
             if mask is None and ratio == 1:
                 pool.cache_blocks(table[num_cached:num_full], hashes[num_cached:num_full],

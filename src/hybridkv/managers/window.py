@@ -73,12 +73,12 @@ class SlidingWindowManager(GroupManager):
         num_blocks = min(max_num_tokens // bs, len(hashes))
         null = pool.null_block
         tables: list[list[Block]] = [[null] * num_blocks for _ in group_ids]
-        lookup = pool.get_cached_block
+        getters = [pool.group_index(g).get for g in group_ids]
         run = 0
         found_run = False
         for i in range(num_blocks - 1, -1, -1):
             block_hash = hashes[i]
-            hits = [lookup(block_hash, g) for g in group_ids]
+            hits = [get(block_hash) for get in getters]
             if None in hits:
                 run = 0
                 continue
