@@ -165,15 +165,7 @@ class FreeBlockQueue:
         """Link ``blocks`` at the tail in the given order (evicted last)."""
         last = self._tail.prev_free
         assert last is not None
-        count = 0
-        for block in blocks:
-            last.next_free = block
-            block.prev_free = last
-            last = block
-            count += 1
-        last.next_free = self._tail
-        self._tail.prev_free = last
-        self.num_blocks += count
+        self._splice(last, self._tail, blocks)
 
     def push_front_n(self, blocks: Iterable[Block]) -> None:
         """Link ``blocks`` at the front of the linked list, behind the head stack, in the
@@ -187,15 +179,19 @@ class FreeBlockQueue:
         """
         first = self._head.next_free
         assert first is not None
-        last = self._head
+        self._splice(self._head, first, blocks)
+
+    def _splice(self, before: Block, after: Block, blocks: Iterable[Block]) -> None:
+        """Link ``blocks``, in order, between the adjacent nodes ``before`` and ``after``."""
+        last = before
         count = 0
         for block in blocks:
             last.next_free = block
             block.prev_free = last
             last = block
             count += 1
-        last.next_free = first
-        first.prev_free = last
+        last.next_free = after
+        after.prev_free = last
         self.num_blocks += count
 
     def prepend_n(self, blocks: Iterable[Block]) -> None:
