@@ -238,7 +238,7 @@ class KVCacheManager:
         state = self._state(req_id, "remove_request")
         if state.is_running:  # finished: the output length reaches the eviction policy
             self._release(req_id, state, state.session_id,
-                          len(state.token_ids) - state.num_prompt_tokens)
+                          state.token_ids.num_tokens - state.num_prompt_tokens)
         del self._requests[req_id]
 
     # ---------------------------------------------------------------- lookup
@@ -253,8 +253,8 @@ class KVCacheManager:
             raise RequestError(f"request_id={req_id!r} is running; prefix hits apply only "
                                "at admission (free() it first to re-admit)")
         num_groups = len(self.config.groups)
-        limit = len(state.token_ids) - 1 if max_num_tokens is None else max_num_tokens
-        limit = min(limit, len(state.token_ids) - 1)
+        limit = state.token_ids.num_tokens - 1 if max_num_tokens is None else max_num_tokens
+        limit = min(limit, state.token_ids.num_tokens - 1)
         if not self.config.enable_caching or limit <= 0:
             hit = PrefixHit(req_id, 0, ((),) * num_groups, 0, self.pool.epoch)
         else:
@@ -302,7 +302,7 @@ class KVCacheManager:
         else:
             hit_tables, num_hit = self._checked_hit(req_id, hit, admitting)
         num_computed = state.num_computed_tokens + num_hit
-        num_tokens = len(state.token_ids)
+        num_tokens = state.token_ids.num_tokens
         if num_new_tokens <= 0 or num_computed + num_new_tokens > num_tokens:
             raise ConfigError(
                 "num_new_tokens", num_new_tokens,
@@ -357,7 +357,7 @@ class KVCacheManager:
 
     def _record_admission(self, state: _RequestState, num_hit: int,
                           hit_tables: Sequence[Sequence[Block]], hit: PrefixHit | None) -> None:
-        self.stats.record(len(state.token_ids), num_hit, preempted=state.num_admissions > 0)
+        self.stats.record(state.token_ids.num_tokens, num_hit, preempted=state.num_admissions > 0)
         for group_id, table in enumerate(hit_tables):
             self.stats.hit_blocks_by_group[group_id] += sum(1 for b in table if not b.is_null)
         state.num_admissions += 1
@@ -412,7 +412,7 @@ class KVCacheManager:
         return self._state(req_id, "num_computed_tokens").num_computed_tokens
 
     def num_tokens(self, req_id: ReqId) -> int:
-        return len(self._state(req_id, "num_tokens").token_ids)
+        return self._state(req_id, "num_tokens").token_ids.num_tokens
 
     def is_running(self, req_id: ReqId) -> bool:
         return self._state(req_id, "is_running").is_running
@@ -450,7 +450,7 @@ class KVCacheManager:
                 if manager.num_cached_blocks.get(req_id, 0) > len(table):
                     raise InvariantViolation(f"{req_id!r}: more cached than held blocks")
                 if len(table) * manager.block_size < min(state.num_computed_tokens,
-                                                         self._cap_len(len(state.token_ids))):
+                                                         self._cap_len(state.token_ids.num_tokens)):
                     raise InvariantViolation(f"{req_id!r}: table shorter than computed tokens")
         for req_id, state in self._requests.items():
             if state.is_running and any(

@@ -26,19 +26,22 @@ class RequestTokens(Sequence[int]):
     ``hashed_tokens`` never touches ``prompt``.
     """
 
-    __slots__ = ("_num_prompt_tokens", "_prompt", "_start", "_tail")
+    __slots__ = ("_num_prompt_tokens", "_prompt", "_start", "_tail", "num_tokens")
 
     def __init__(self, prompt: Sequence[int], hashed_tokens: int) -> None:
         self._prompt = prompt
         self._num_prompt_tokens = len(prompt)
         self._start = min(max(hashed_tokens, 0), self._num_prompt_tokens)
         self._tail = list(prompt[self._start :])
+        self.num_tokens = self._num_prompt_tokens
+        """``len(self)`` as a plain attribute (read on every scheduler step)."""
 
     def extend(self, token_ids: Iterable[int]) -> None:
         self._tail.extend(token_ids)
+        self.num_tokens = self._start + len(self._tail)
 
     def __len__(self) -> int:
-        return self._start + len(self._tail)
+        return self.num_tokens
 
     @overload
     def __getitem__(self, idx: int) -> int: ...
