@@ -113,7 +113,8 @@ class HybridCoordinator:
         units: list[GroupManager | SiblingBatch] = []
         run: list[GroupManager] = []
         for manager in [*self.managers, None]:
-            if manager is not None and run and manager.spec == run[0].spec and batchable:
+            if manager is not None and run and manager.spec == run[0].spec and batchable \
+                    and manager.use_eagle == run[0].use_eagle:
                 run.append(manager)
                 continue
             if len(run) > 1:
@@ -300,7 +301,8 @@ class HybridCoordinator:
         if self.retention.uses_boundaries:
             replay = replay_boundaries(num_prompt_tokens, align, self.use_eagle)
         aligned = (num_tokens // align) * align
-        for manager in self.managers:
+        for unit in self._units:
+            manager = unit.members[0] if isinstance(unit, SiblingBatch) else unit
             cacheable = num_tokens
             if self.retention.clamps_to_alignment:
                 cacheable = aligned
@@ -311,8 +313,8 @@ class HybridCoordinator:
                 boundaries = (*replay, junction_tokens)
                 if manager.use_eagle:
                     boundaries = (*boundaries, junction_tokens - manager.block_size)
-            manager.cache_blocks(req_id, hashes, self.hash_block_size, cacheable, boundaries,
-                                 bridge_end_tokens)
+            unit.cache_blocks(req_id, hashes, self.hash_block_size, cacheable, boundaries,
+                              bridge_end_tokens)
 
     def free(self, req_id: ReqId, session_id: str | None = None,
              num_output_tokens: int | None = None) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridkv.block import Block
-from hybridkv.ids import ReqId
+from hybridkv.ids import BlockHash, ReqId
 from hybridkv.managers.base import GroupManager, live_blocks_tail_first, released_span
 from hybridkv.pool import BlockPool, FreeTier
 
@@ -49,6 +49,20 @@ class SiblingBatch:
             table.extend(mine)
             dealt.append(mine)
         return dealt
+
+    def cache_blocks(self, req_id: ReqId, hashes: Sequence[BlockHash], hash_block_size: int,
+                     num_tokens: int, boundaries: Sequence[int],
+                     bridge_end_tokens: int = 0) -> None:
+        """One cache plan (window mask) for all members: their tables and counters agree."""
+        first = self.members[0]
+        plan = first.cache_plan(req_id, hashes, hash_block_size, num_tokens, boundaries,
+                                bridge_end_tokens)
+        num_cached = first.num_cached_blocks.get(req_id, 0)
+        for member in self.members:
+            if plan is not None:
+                member.apply_cache_plan(req_id, hashes, hash_block_size, plan)
+            elif member is not first and req_id in member.num_cached_blocks:
+                member.num_cached_blocks[req_id] = num_cached  # a skipped bridge, if any
 
     def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:
         first = self.members[0]

@@ -194,21 +194,37 @@ class GroupManager(ABC):
         before the tail ending there: those blocks are never hashed (a hit at an earlier
         boundary would read them; hits at or after the bridge end read only exact KV).
         """
+        plan = self.cache_plan(req_id, hashes, hash_block_size, num_tokens, boundaries,
+                               bridge_end_tokens)
+        if plan is not None:
+            self.apply_cache_plan(req_id, hashes, hash_block_size, plan)
+
+    def cache_plan(self, req_id: ReqId, hashes: Sequence[BlockHash], hash_block_size: int,
+                   num_tokens: int, boundaries: Sequence[int], bridge_end_tokens: int = 0,
+                   ) -> tuple[int, int, list[bool] | None] | None:
+        """``(first, end, mask)``: table indices ``[first, end)`` to hash where ``mask``
+        allows (``None``: all), or ``None`` when no block became full. Skipping a cold
+        bridge's inexact blocks is recorded here. Sibling groups share one plan."""
         num_cached = self.num_cached_blocks.get(req_id, 0)
         bs = self.block_size
         num_full = min(num_tokens, len(hashes) * hash_block_size) // bs
         if num_cached >= num_full:
-            return
+            return None
         if bridge_end_tokens and not self.is_full_attention:
             first_exact = bridge_end_tokens // bs - self.bridge_tail_blocks()
             if num_cached < first_exact:
                 num_cached = min(first_exact, num_full)
                 self.num_cached_blocks[req_id] = num_cached
                 if num_cached >= num_full:
-                    return
+                    return None
+        return num_cached, num_full, self.cache_mask(num_cached, num_full, boundaries)
+
+    def apply_cache_plan(self, req_id: ReqId, hashes: Sequence[BlockHash],
+                         hash_block_size: int, plan: tuple[int, int, list[bool] | None],
+                         ) -> None:
+        num_cached, num_full, mask = plan
         table = self.tables[req_id]
-        ratio = bs // hash_block_size
-        mask = self.cache_mask(num_cached, num_full, boundaries)
+        ratio = self.block_size // hash_block_size
         pool, group_id = self.pool, self.group_id
         chain_bs = self.chain_block_size
         indices: Iterable[int] = range(num_cached, num_full) if mask is None else \
@@ -219,8 +235,9 @@ class GroupManager(ABC):
                                   group_id)
             else:
                 picked = list(indices)
-                pool.cache_blocks([table[i] for i in picked],
-                                  [hashes[(i + 1) * ratio - 1] for i in picked], group_id)
+                if picked:
+                    pool.cache_blocks([table[i] for i in picked],
+                                      [hashes[(i + 1) * ratio - 1] for i in picked], group_id)
             self.num_cached_blocks[req_id] = num_full
             return
         for i in indices:
