@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hybridkv.block import Block
 from hybridkv.ids import BlockHash, GroupId
@@ -72,8 +72,11 @@ class SlidingWindowManager(GroupManager):
         need = spec.num_tail_blocks + (1 if drop_eagle_block else 0)
         num_blocks = min(max_num_tokens // bs, len(hashes))
         null = pool.null_block
-        tables: list[list[Block]] = [[null] * num_blocks for _ in group_ids]
         getters = [pool.group_index(g).get for g in group_ids]
+        if bs == alignment_tokens and not drop_eagle_block and need > 0:
+            found_tables = _search_with_jumps(getters, null, hashes, num_blocks, need)
+            return found_tables, len(found_tables[0]) * bs
+        tables: list[list[Block]] = [[null] * num_blocks for _ in group_ids]
         run = 0
         found_run = False
         for i in range(num_blocks - 1, -1, -1):
@@ -105,6 +108,48 @@ class SlidingWindowManager(GroupManager):
                 table.pop()
             _trim_to_alignment(tables, bs, alignment_tokens)
         return tables, len(tables[0]) * bs
+
+
+def _search_with_jumps(getters: Sequence[Callable[[BlockHash], Block | None]], null: Block,
+                       hashes: Sequence[BlockHash], num_blocks: int, need: int,
+                       ) -> list[list[Block]]:
+    """The right-to-left search when every block end is aligned and nothing is dropped:
+    the rightmost ``need`` consecutive blocks cached in every group, else the cached run
+    starting at block 0. A candidate window ``[end - need, end)`` is probed at its left
+    block first: when that one is missing, no window containing it can hit, so the search
+    jumps ``need`` blocks at once (latest retention leaves long uncached stretches).
+
+    Worked example (need 4, cached {0, 1, 8, 9, 10, 11, 12}, 20 blocks): window [16, 20):
+    16 missing → end 16; [12, 16): 12 cached, 15 missing → end 15; [11, 15): 14 missing →
+    end 14; [10, 14): 13 missing → end 13; [9, 13): all cached → hit 13 blocks.
+    """
+    def present(i: int) -> list[Block] | None:
+        found: list[Block] = []
+        for get in getters:
+            block = get(hashes[i])
+            if block is None:
+                return None
+            found.append(block)
+        return found
+
+    end = num_blocks
+    while end >= need:
+        if present(end - need) is None:
+            end -= need
+            continue
+        missing = next((k for k in range(end - 1, end - need, -1) if present(k) is None), None)
+        if missing is None:
+            tail = [present(k) for k in range(end - need, end)]
+            return [[null] * (end - need) + [found[g] for found in tail if found is not None]
+                    for g in range(len(getters))]
+        end = missing
+    run: list[list[Block]] = []
+    while len(run) < min(need, num_blocks):
+        found = present(len(run))
+        if found is None:
+            break
+        run.append(found)
+    return [[found[g] for found in run] for g in range(len(getters))]
 
 
 def _trim_to_alignment(tables: list[list[Block]], block_size: int, alignment_tokens: int) -> None:
