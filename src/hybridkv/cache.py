@@ -449,9 +449,13 @@ class KVCacheManager:
                                              f"{req_id!r}, which is not running")
                 if manager.num_cached_blocks.get(req_id, 0) > len(table):
                     raise InvariantViolation(f"{req_id!r}: more cached than held blocks")
-                if len(table) * manager.block_size < min(state.num_computed_tokens,
-                                                         self._cap_len(state.token_ids.num_tokens)):
+                covered = len(table) * manager.block_size
+                if covered < min(state.num_computed_tokens,
+                                 self._cap_len(state.token_ids.num_tokens)):
                     raise InvariantViolation(f"{req_id!r}: table shorter than computed tokens")
+                if covered < self.coordinator.covered_tokens(req_id):
+                    raise InvariantViolation(f"{req_id!r}: group {manager.group_id} covers "
+                                             f"{covered} slots, fewer than remembered")
         for req_id, state in self._requests.items():
             if state.is_running and any(
                 req_id not in m.tables for m in self.coordinator.managers

@@ -247,6 +247,11 @@ class HybridCoordinator:
             )
         return total
 
+    def covered_tokens(self, req_id: ReqId) -> int:
+        """Slots every group's table covered after the request's last allocation (0 when
+        none is remembered)."""
+        return self._covered_tokens.get(req_id, 0)
+
     def num_blocks_to_grow(self, req_id: ReqId, num_tokens: int) -> int:
         """Blocks a running request's tables need to cover ``num_tokens`` slots (0 at once
         while the last allocation's tables already cover them: most decode steps)."""
