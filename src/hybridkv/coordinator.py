@@ -90,10 +90,10 @@ class HybridCoordinator:
         self._releasing_units = [u for u in self._units if not _is_full_attention(u)]
         self._last_full_attention: tuple[int, list[list[Block]]] = (0, [])
         self._next_release: dict[ReqId, int] = {}
+        """Per running request: computed tokens before which no window block can leave."""
         self._covered_tokens: dict[ReqId, int] = {}
         """Slots every group's table covers after the request's last allocation (tables
         only grow by allocation while the request runs; dropped on free)."""
-        """Per running request: computed tokens before which no window block can leave."""
         self._bridge_tokens = _bridge_tokens(config)
         if chain_group_id is not None:  # chain eviction: record each block's parent hash
             chain_block_size = config.groups[chain_group_id].spec.block_size

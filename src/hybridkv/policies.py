@@ -63,6 +63,10 @@ class RetentionPolicy(ABC):
     """Hybrid groups cache only up to the last aligned boundary (no hit can end past it)."""
     uses_boundaries = False
     """Whether replay boundaries and the shared-prefix junction are consulted."""
+    is_sparse = False
+    """Hashes window tails only at chosen boundaries (``latest``, ``interval:N``), not every
+    reachable window block: on long traces such replays cost about half (``--jobs``
+    schedules the others first)."""
 
     def validate(self, alignment_tokens: int, has_window_groups: bool) -> None:
         """Raise ``ConfigError`` when the policy cannot apply to this model."""
@@ -157,6 +161,7 @@ class IntervalPolicy(PrependPolicy):
     """Window tails every ``interval_tokens`` plus the latest prompt boundary (+ junction)."""
 
     uses_boundaries = True
+    is_sparse = True
 
     def __init__(self, interval_tokens: int) -> None:
         self.interval_tokens = interval_tokens
@@ -181,6 +186,7 @@ class LatestPolicy(PrependPolicy):
 
     name = "latest"
     uses_boundaries = True
+    is_sparse = True
 
     def segment_tokens(self, alignment_tokens: int) -> int | None:
         return None

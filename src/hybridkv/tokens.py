@@ -23,18 +23,17 @@ class RequestTokens(Sequence[int]):
 
     Invariants: ``len(self) == len(prompt) + number of appended ids``; ``tail`` holds
     ``prompt[hashed_tokens:]`` followed by the appended ids, so any read at or past
-    ``hashed_tokens`` never touches ``prompt``.
+    ``hashed_tokens`` never touches ``prompt``. ``num_tokens`` is ``len(self)`` as a plain
+    attribute (the manager reads it on every scheduler step).
     """
 
-    __slots__ = ("_num_prompt_tokens", "_prompt", "_start", "_tail", "num_tokens")
+    __slots__ = ("_prompt", "_start", "_tail", "num_tokens")
 
     def __init__(self, prompt: Sequence[int], hashed_tokens: int) -> None:
         self._prompt = prompt
-        self._num_prompt_tokens = len(prompt)
-        self._start = min(max(hashed_tokens, 0), self._num_prompt_tokens)
+        self.num_tokens = len(prompt)
+        self._start = min(max(hashed_tokens, 0), self.num_tokens)
         self._tail = list(prompt[self._start :])
-        self.num_tokens = self._num_prompt_tokens
-        """``len(self)`` as a plain attribute (read on every scheduler step)."""
 
     def extend(self, token_ids: Iterable[int]) -> None:
         self._tail.extend(token_ids)

@@ -27,25 +27,22 @@ class FullAttentionManager(GroupManager):
         bs = spec.block_size
         tables: list[list[Block]] = [[] for _ in group_ids]
         max_blocks = min(max_num_tokens // bs, len(hashes))
-        lookup = pool.get_cached_block
-        if len(group_ids) == 1:  # one dict probe per block, no per-block lists
-            get = pool.group_index(group_ids[0]).get
-            table = tables[0]
-            append = table.append
+        getters = [pool.group_index(g).get for g in group_ids]
+        if len(getters) == 1:  # one dict probe per block, no per-block lists
+            get, append = getters[0], tables[0].append
             for i in range(max_blocks):
                 found_block = get(hashes[i])
                 if found_block is None:
                     break
                 append(found_block)
-            max_blocks = 0
-        for i in range(max_blocks):
-            block_hash = hashes[i]
-            found = [lookup(block_hash, g) for g in group_ids]
-            if None in found:
-                break
-            for table, block in zip(tables, found, strict=True):
-                assert block is not None
-                table.append(block)
+        else:
+            for i in range(max_blocks):
+                found = [get(hashes[i]) for get in getters]
+                if None in found:
+                    break
+                for table, block in zip(tables, found, strict=True):
+                    assert block is not None
+                    table.append(block)
         num_hit_tokens = len(tables[0]) * bs
         if drop_eagle_block and num_hit_tokens > 0:
             num_hit_tokens -= min(alignment_tokens, bs)

@@ -134,15 +134,21 @@ def _search_with_jumps(getters: Sequence[Callable[[BlockHash], Block | None]], n
 
     end = num_blocks
     while end >= need:
-        if present(end - need) is None:
+        first = present(end - need)
+        if first is None:
             end -= need
             continue
-        missing = next((k for k in range(end - 1, end - need, -1) if present(k) is None), None)
-        if missing is None:
-            tail = [present(k) for k in range(end - need, end)]
-            return [[null] * (end - need) + [found[g] for found in tail if found is not None]
+        window = [first]  # probed right to left below, then put back in order
+        for k in range(end - 1, end - need, -1):
+            found = present(k)
+            if found is None:
+                end = k
+                break
+            window.append(found)
+        else:
+            window[1:] = window[:0:-1]
+            return [[null] * (end - need) + [found[g] for found in window]
                     for g in range(len(getters))]
-        end = missing
     run: list[list[Block]] = []
     while len(run) < min(need, num_blocks):
         found = present(len(run))

@@ -238,15 +238,17 @@ def _run_in_worker(task: str) -> PolicyRun | Limits:
 
 def _dispatch_order(tasks: Sequence[str]) -> list[int]:
     """Task indices, expected-longest first (a greedy longest-first schedule shortens the
-    run on few processes): retentions that hash every reachable window block (``dense``,
-    ``reachable``, ``prepend``, ``pin:T``) cost about twice ``latest`` / ``interval:N`` on
-    long traces; the limits go last. E.g. ``[latest, dense, ""]`` → ``[1, 0, 2]``."""
+    run on few processes): sparse retentions (``RetentionPolicy.is_sparse``) after the
+    others, the limits last.
+
+    >>> _dispatch_order(["latest", "interval:32768", "dense", ""])
+    [2, 0, 1, 3]
+    """
     def rank(index: int) -> int:
         name = tasks[index]
         if name == _LIMITS:
             return 2
-        retention = split_policy_name(name)[0]
-        return 1 if retention == "latest" or retention.startswith("interval:") else 0
+        return 1 if make_retention_policy(split_policy_name(name)[0]).is_sparse else 0
     return sorted(range(len(tasks)), key=rank)
 
 
