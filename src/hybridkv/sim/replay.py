@@ -134,14 +134,24 @@ class _PromptHasher:
     hash before it and its id, so each distinct (parent hash, trace block id) pair is hashed
     once. Tokens past the last whole trace block (the partial tail, fill) are hashed as usual.
     The result is the chain ``hasher.hash_blocks`` would compute for the expanded prompt.
+
+    A session's next prompt usually extends its previous one: the hashes of the trace blocks
+    the two share from the start are copied from the previous prompt's (one list slice),
+    and only the rest walks the memo.
     """
 
     MAX_ENTRIES = 1 << 18
     """Memo size cap (oldest entries dropped first), so memory stays flat on long traces."""
 
+    MAX_SESSIONS = 1 << 12
+    """Sessions whose latest prompt hashes are kept (oldest dropped first)."""
+
     def __init__(self, hasher: BlockHasher) -> None:
         self._hasher = hasher
         self._memo: dict[tuple[BlockHash | None, int], list[BlockHash]] = {}
+        self._latest: dict[str, tuple[tuple[int, ...], list[BlockHash]]] = {}
+        """Session id → (whole trace block ids, their engine-block hashes) of its latest
+        prompt."""
         self.seconds = 0.0
 
     def for_request(self, request: TraceRequest,
@@ -166,7 +176,16 @@ class _PromptHasher:
         hashes: list[BlockHash] = []
         parent: BlockHash | None = None
         num_whole = min(len(request.block_ids), request.input_length // size)
-        for i in range(num_whole):
+        whole_ids = request.block_ids[:num_whole]
+        session = request.session_id
+        first = 0
+        latest = None if session is None else self._latest.pop(session, None)
+        if latest is not None:
+            first = common_prefix_length(latest[0], whole_ids)
+            if first:
+                hashes = latest[1][: first * (size // hb)]
+                parent = hashes[-1]
+        for i in range(first, num_whole):
             key = (parent, request.block_ids[i])
             chunk = self._memo.get(key)
             if chunk is None:  # a whole trace block's ids are a range (see expand_prompt)
@@ -178,10 +197,36 @@ class _PromptHasher:
                 self._memo[key] = chunk
             hashes.extend(chunk)
             parent = chunk[-1]
+        if session is not None:
+            if len(self._latest) >= self.MAX_SESSIONS:
+                del self._latest[next(iter(self._latest))]
+            self._latest[session] = (whole_ids, hashes.copy())
         done = num_whole * size
         hashes.extend(self._hasher.hash_blocks(tokens[done:], parent=parent,
                                                first_block_idx=done // hb))
         return hashes
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (slice comparisons, no
+    per-element Python loop).
+
+    >>> common_prefix_length((1, 2, 3, 4), (1, 2, 9)), common_prefix_length((), (1,))
+    (2, 0)
+    >>> common_prefix_length((5, 6), (5, 6, 7))
+    2
+    """
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class _OutputSampler:
