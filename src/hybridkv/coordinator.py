@@ -22,7 +22,7 @@ from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers import MANAGER_FOR_SPEC, GroupManager, coarse_hashes
 from hybridkv.managers.chunked import ChunkedLocalManager
 from hybridkv.policies import RetentionPolicy
-from hybridkv.pool import BlockPool, FreeTier
+from hybridkv.pool import BlockPool
 from hybridkv.siblings import SiblingBatch
 from hybridkv.specs import LayerSpec, SlidingWindowSpec
 
@@ -85,7 +85,7 @@ class HybridCoordinator:
                 self.managers[gid].use_eagle = sg_eagle
         has_window = any(not m.is_full_attention for m in self.managers)
         retention.validate(self.alignment_tokens, has_window)
-        self._units = self._make_units(retention)
+        self._units = self._make_units()
         self._units_are_batches = any(isinstance(u, SiblingBatch) for u in self._units)
         self._releasing_units = [u for u in self._units if not _is_full_attention(u)]
         self._last_full_attention: tuple[int, list[list[Block]]] = (0, [])
@@ -105,11 +105,10 @@ class HybridCoordinator:
             for m in self.managers
         ]
 
-    def _make_units(self, retention: RetentionPolicy) -> list[GroupManager | SiblingBatch]:
-        """Consecutive sibling groups batched (vLLM-equivalent policies only), else one
-        unit per group, in group order."""
-        batchable = self.pool.eviction is None and retention.pin_drop_tokens is None and \
-            retention.cached_tier is not FreeTier.PINNED
+    def _make_units(self) -> list[GroupManager | SiblingBatch]:
+        """Consecutive sibling groups batched (without an eviction policy, which may relink
+        blocks as they are freed), else one unit per group, in group order."""
+        batchable = self.pool.eviction is None
         units: list[GroupManager | SiblingBatch] = []
         run: list[GroupManager] = []
         for manager in [*self.managers, None]:

@@ -225,22 +225,25 @@ class BlockPool:
             self.eviction.place(self, cached, cached_tier, session_id)
 
     def free_grouped(self, lists: Sequence[Sequence[Block]], scratch_tier: FreeTier,
-                     cached_tier: FreeTier) -> None:
+                     cached_tier: FreeTier | Sequence[FreeTier]) -> None:
         """``free_blocks`` of each list in turn, in one pass (no eviction policy): head
-        insertions of later lists land in front of earlier ones, tail insertions after."""
+        insertions of later lists land in front of earlier ones, tail insertions after.
+        ``cached_tier`` may name one tier per list."""
         assert self.eviction is None
         self.epoch += 1
         head_lists: list[list[Block]] = []
         tail: list[Block] = []
-        split = scratch_tier is not cached_tier
-        for blocks in lists:
+        cached_tiers = [cached_tier] * len(lists) if isinstance(cached_tier, FreeTier) \
+            else cached_tier
+        for blocks, list_cached_tier in zip(lists, cached_tiers, strict=True):
+            split = scratch_tier is not list_cached_tier
             scratch, cached = _drop_references(blocks, split)
-            for released, tier in ((scratch, scratch_tier), (cached, cached_tier)):
+            for released, tier in ((scratch, scratch_tier), (cached, list_cached_tier)):
                 if tier is FreeTier.HEAD:
                     head_lists.append(released)
                 elif tier is FreeTier.TAIL:
                     tail.extend(released)
-                elif released:  # pinned: keep exact per-group semantics
+                elif released:  # pinned: its own queue, linked in list order
                     self.link(released, tier)
         head = [block for released in reversed(head_lists) for block in released]
         if head:

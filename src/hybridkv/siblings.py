@@ -10,8 +10,8 @@ are arranged to leave the free queue exactly as one call per group, in group ord
   scratch ends up first) and append cached blocks in group order; ``free_grouped`` does the
   same in one pass.
 
-Used only when no eviction policy and no pinned tier re-orders blocks (the vLLM-equivalent
-policies, where speed matters most); otherwise each group is called on its own.
+Used only when no eviction policy re-orders blocks; otherwise each group is called on its
+own. The pinned tier (``pin:T``) is a queue of its own, linked in group order either way.
 
 Worked example (gemma3-bench: 5 window groups of 16-token blocks): an 8,192-token chunk
 allocates 5 × 512 blocks in one ``allocate(2560)`` instead of five ``allocate(512)``.
@@ -67,8 +67,8 @@ class SiblingBatch:
     def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:
         first = self.members[0]
         null = self.pool.null_block
-        span = released_span(first.tables.get(req_id),
-                             first.num_skipped_tokens(num_computed_tokens), self.block_size, null)
+        num_skipped = first.num_skipped_tokens(num_computed_tokens)
+        span = released_span(first.tables.get(req_id), num_skipped, self.block_size, null)
         if span is None:
             return
         start, last = span
@@ -80,7 +80,16 @@ class SiblingBatch:
             segment.reverse()  # newest first, as a per-group release
             member_table[start : last + 1] = nulls
             released.append(segment)
-        self.pool.free_grouped(released, first.retention.scratch_tier, FreeTier.TAIL)
+        retention = first.retention
+        if retention.pin_drop_tokens is None:
+            self.pool.free_grouped(released, retention.scratch_tier, FreeTier.TAIL)
+            return
+        # pin:T — every member pins the same newest blocks (GroupManager.remove_skipped_blocks)
+        num_recent = first.num_pinned_on_drop(start, last, num_skipped)
+        split = [part for segment in released
+                 for part in (segment[:num_recent], segment[num_recent:])]
+        tiers = [FreeTier.PINNED, FreeTier.TAIL] * len(released)
+        self.pool.free_grouped(split, retention.scratch_tier, tiers)
 
     def next_release_tokens(self, num_computed_tokens: int) -> int:
         return self.members[0].next_release_tokens(num_computed_tokens)

@@ -282,14 +282,24 @@ class GroupManager(ABC):
         if policy.pin_drop_tokens is None:
             self.pool.free_blocks(released, policy.scratch_tier, FreeTier.TAIL)
             return
-        # released[j] is table index last - j, ending at (last - j + 1) * block_size tokens;
-        # ends decrease along the list, so the blocks the policy pins form its prefix
-        num_recent = 0
-        while num_recent < len(released) and policy.is_pinned_on_drop(
-                (last - num_recent + 1) * self.block_size, num_skipped):
-            num_recent += 1
+        num_recent = self.num_pinned_on_drop(first, last, num_skipped)
         self.pool.free_blocks(released[:num_recent], policy.scratch_tier, FreeTier.PINNED)
         self.pool.free_blocks(released[num_recent:], policy.scratch_tier, FreeTier.TAIL)
+
+    def num_pinned_on_drop(self, first: int, last: int, num_skipped_tokens: int) -> int:
+        """How many of the released blocks ``last, last - 1, …, first`` (table indices,
+        newest first) the retention policy pins: block ``last - j`` ends at ``(last - j + 1) * bs``
+        tokens; ends decrease along the list, so the pinned blocks form its prefix.
+
+        Worked example (bs 16, ``pin:32``, window start moved to 96 tokens): blocks ending
+        at 96 and 80 end after 96 - 32 = 64 → pinned; the one ending at 64 is not → 2.
+        """
+        policy = self.retention
+        num_recent = 0
+        while num_recent <= last - first and policy.is_pinned_on_drop(
+                (last - num_recent + 1) * self.block_size, num_skipped_tokens):
+            num_recent += 1
+        return num_recent
 
     def free(self, req_id: ReqId, session_id: str | None = None) -> None:
         """Release the request's blocks, tail first (the chain end is evicted first).
