@@ -77,6 +77,9 @@ class FreeBlockQueue:
     unhashed blocks are ever prepended, and those are never touched by a hit, so removing a
     stacked block (O(n)) does not happen on any hot path.
 
+    A queue stamps its ``queue_id`` on every block it links (``Block.queue_id``); whoever
+    takes a block out clears it.
+
     Invariants:
         - walking ``next_free`` from the head sentinel reaches the tail sentinel after
           ``len(self) - len(stack)`` blocks, and ``prev_free`` links mirror ``next_free``;
@@ -84,7 +87,8 @@ class FreeBlockQueue:
         - sentinels never leave the list and are never returned.
     """
 
-    def __init__(self, blocks: Iterable[Block] = ()) -> None:
+    def __init__(self, blocks: Iterable[Block] = (), queue_id: int | None = None) -> None:
+        self.queue_id = queue_id
         self._head = Block(-1)
         self._tail = Block(-2)
         self._head.next_free = self._tail
@@ -133,11 +137,11 @@ class FreeBlockQueue:
         remaining = num_blocks - from_stack
         if remaining:
             node = self._head.next_free
-            for _ in range(remaining):
-                assert node is not None
-                taken.append(node)
-                nxt = node.next_free
-                node.prev_free = node.next_free = None
+            append = taken.append
+            for _ in range(remaining):  # the count bounds the walk: never reaches the tail
+                append(node)  # type: ignore[arg-type]
+                nxt = node.next_free  # type: ignore[union-attr]
+                node.prev_free = node.next_free = None  # type: ignore[union-attr]
                 node = nxt
             self._head.next_free = node
             assert node is not None
@@ -185,9 +189,11 @@ class FreeBlockQueue:
         """Link ``blocks``, in order, between the adjacent nodes ``before`` and ``after``."""
         last = before
         count = 0
+        queue_id = self.queue_id
         for block in blocks:
             last.next_free = block
             block.prev_free = last
+            block.queue_id = queue_id
             last = block
             count += 1
         last.next_free = after
@@ -198,6 +204,9 @@ class FreeBlockQueue:
         """Put ``blocks`` in front of the head, keeping their order (reused first)."""
         ordered = list(blocks)
         ordered.reverse()
+        queue_id = self.queue_id
+        for block in ordered:
+            block.queue_id = queue_id
         self._stack.extend(ordered)
         self.num_blocks += len(ordered)
 

@@ -347,10 +347,8 @@ class EvictionPolicy:
         doomed = [b for b in blocks if b.num_hits == 0]
         if not doomed:
             return blocks
-        for block in doomed:
-            block.queue_id = FREE_QUEUE
-            self._predicted.add(block.block_id)
-        pool.queues[FREE_QUEUE].push_front_n(doomed)
+        self._predicted.update(block.block_id for block in doomed)
+        pool.queues[FREE_QUEUE].push_front_n(doomed)  # stamps FREE_QUEUE on them
         self.num_predicted_dead += len(doomed)
         return [b for b in blocks if b.num_hits > 0]
 

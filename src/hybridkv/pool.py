@@ -58,15 +58,21 @@ def _drop_references(blocks: Iterable[Block], split: bool,
     the given order as the first list (both classes go to the same tier)."""
     scratch: list[Block] = []
     cached: list[Block] = []
+    to_scratch, to_cached = scratch.append, (cached if split else scratch).append
     for block in blocks:
         if block.is_null:
             continue
         ref_count = block.ref_count - 1
-        if ref_count < 0:
-            raise InvariantViolation(f"free of {block!r} whose ref_count is already 0")
-        block.ref_count = ref_count
         if ref_count == 0:
-            (cached if split and block.block_hash is not None else scratch).append(block)
+            block.ref_count = 0
+            if block.block_hash is None:
+                to_scratch(block)
+            else:
+                to_cached(block)
+        elif ref_count > 0:
+            block.ref_count = ref_count
+        else:
+            raise InvariantViolation(f"free of {block!r} whose ref_count is already 0")
     return scratch, cached
 
 
@@ -89,11 +95,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
-        self.queues = [FreeBlockQueue() for _ in range(5)]
+        self.queues = [FreeBlockQueue(queue_id=queue_id) for queue_id in range(5)]
         self.free_queue = self.queues[FREE_QUEUE]
         self.pinned_queue = self.queues[PINNED_QUEUE]
-        for block in self.blocks[1:]:
-            block.queue_id = FREE_QUEUE
         self.free_queue.append_n(self.blocks[1:])
         # One primary block per (group, hash); extra physical copies with the same hash (two
         # requests computed the same prefix concurrently) wait in ``_duplicates`` so that
@@ -161,8 +165,7 @@ class BlockPool:
                 block.ref_count = 1
                 block_hash = block.block_hash
                 if block_hash is not None:
-                    group_id = block.hash_group_id
-                    assert group_id is not None
+                    group_id: GroupId = block.hash_group_id  # type: ignore[assignment]
                     if block_hash in duplicates[group_id]:
                         self._evict(block)
                         continue
@@ -253,9 +256,7 @@ class BlockPool:
 
     def link(self, blocks: list[Block], tier: FreeTier) -> None:
         """Link free (unlinked, ``ref_count == 0``) blocks into ``tier``, keeping order."""
-        queue_id = _QUEUE_OF_TIER[tier]
-        for block in blocks:
-            block.queue_id = queue_id
+        queue_id = _QUEUE_OF_TIER[tier]  # the queue stamps its id on the blocks
         if tier is FreeTier.HEAD:
             self.queues[queue_id].prepend_n(blocks)
         else:
