@@ -287,9 +287,25 @@ class BlockPool:
                      group_id: GroupId) -> None:
         """``cache_block`` of each ``(blocks[i], hashes[i])`` pair, without parent hashes (no
         ``chain`` eviction), in one pass; skips null and already-hashed blocks."""
-        claim = self._index[group_id].setdefault
-        duplicates = self._duplicates[group_id]
+        index = self._index[group_id]
         policy = self.eviction
+        if policy is None and self.null_block not in blocks:
+            # The run's hashes not in the index yet (usually all, or all but a recomputed
+            # prefix of the run) need no duplicate handling, and none of their blocks is
+            # hashed (a block's hash is its prefix's): set the fields, then index them in
+            # one C-level update. The rest goes through the per-block loop below.
+            first_new = 0 if index.keys().isdisjoint(hashes) else len(hashes)
+            while first_new and hashes[first_new - 1] not in index:
+                first_new -= 1
+            if first_new < len(hashes):
+                new_blocks, new_hashes = blocks[first_new:], hashes[first_new:]
+                for block, block_hash in zip(new_blocks, new_hashes, strict=True):
+                    block.block_hash = block_hash
+                    block.hash_group_id = group_id
+                index.update(zip(new_hashes, new_blocks, strict=True))
+                blocks, hashes = blocks[:first_new], hashes[:first_new]
+        claim = index.setdefault
+        duplicates = self._duplicates[group_id]
         for block, block_hash in zip(blocks, hashes, strict=True):
             if block.block_hash is not None or block.is_null:
                 continue

@@ -201,3 +201,19 @@ def test_check_invariants_detects_each_corruption(corruption: str) -> None:
         pool._index[0][h("zzz")] = b2
     with pytest.raises(InvariantViolation):
         pool.check_invariants(holders)
+
+
+def test_cache_blocks_run_with_a_recomputed_prefix() -> None:
+    """A run whose first hashes are already cached (a recomputed prefix) and whose rest are
+    new: the cached ones become duplicates, the new ones primaries, nothing is lost."""
+    pool = BlockPool(10, 1)
+    old = pool.allocate(2)
+    pool.cache_blocks(old, [h("a"), h("b")], G0)
+    run = pool.allocate(4)
+    pool.cache_blocks(run, [h("a"), h("b"), h("c"), h("d")], G0)
+    assert [pool.get_cached_block(h(x), G0) for x in "abcd"] == [*old, *run[2:]]
+    assert pool.num_cached_blocks(G0) == 6
+    pool.check_invariants(holders_of([b.block_id for b in old + run]))
+    pool._evict(old[0])  # the recomputed copy takes over
+    assert pool.get_cached_block(h("a"), G0) is run[0]
+    pool.check_invariants(holders_of([b.block_id for b in old + run]))
