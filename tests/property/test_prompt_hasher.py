@@ -24,11 +24,14 @@ request_shapes = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(shapes=request_shapes, hash_block_size=st.sampled_from((2, 4, 8)))
+@given(shapes=request_shapes, hash_block_size=st.sampled_from((2, 4, 8)),
+       session_budget=st.sampled_from((0, 5, 20, 1 << 21)))
 def test_memoised_hashes_equal_plain_hashes(
-        shapes: list[tuple[str | None, int, list[int], int]], hash_block_size: int) -> None:
+        shapes: list[tuple[str | None, int, list[int], int]], hash_block_size: int,
+        session_budget: int) -> None:
     hasher = BlockHasher(hash_block_size)
     memoised = _PromptHasher(hasher)
+    memoised.MAX_SESSION_HASHES = session_budget  # small budgets drop sessions often
     latest: dict[str | None, tuple[int, ...]] = {}
     for index, (session, keep, new_ids, extra_tokens) in enumerate(shapes):
         block_ids = latest.get(session, ())[:keep] + tuple(new_ids)
@@ -39,3 +42,5 @@ def test_memoised_hashes_equal_plain_hashes(
                                session_id=session)
         prompt = expand_prompt(request, index)
         assert memoised.hashes(request, prompt) == hasher.hash_blocks(prompt)
+        kept = sum(len(hashes) for _, hashes in memoised._latest.values())
+        assert kept == memoised._num_session_hashes <= session_budget

@@ -143,15 +143,18 @@ class _PromptHasher:
     MAX_ENTRIES = 1 << 18
     """Memo size cap (oldest entries dropped first), so memory stays flat on long traces."""
 
-    MAX_SESSIONS = 1 << 12
-    """Sessions whose latest prompt hashes are kept (oldest dropped first)."""
+    MAX_SESSION_HASHES = 1 << 21
+    """Hashes kept across the sessions' latest prompts (least recently used sessions dropped
+    first), so memory stays bounded however many sessions a trace has (WEKA's 88 sessions
+    end at ~1 M)."""
 
     def __init__(self, hasher: BlockHasher) -> None:
         self._hasher = hasher
         self._memo: dict[tuple[BlockHash | None, int], list[BlockHash]] = {}
         self._latest: dict[str, tuple[tuple[int, ...], list[BlockHash]]] = {}
         """Session id → (whole trace block ids, their engine-block hashes) of its latest
-        prompt."""
+        prompt, least recently used first."""
+        self._num_session_hashes = 0
         self.seconds = 0.0
 
     def for_request(self, request: TraceRequest,
@@ -181,6 +184,7 @@ class _PromptHasher:
         first = 0
         latest = None if session is None else self._latest.pop(session, None)
         if latest is not None:
+            self._num_session_hashes -= len(latest[1])
             first = common_prefix_length(latest[0], whole_ids)
             if first:
                 hashes = latest[1][: first * (size // hb)]
@@ -198,9 +202,11 @@ class _PromptHasher:
             hashes.extend(chunk)
             parent = chunk[-1]
         if session is not None:
-            if len(self._latest) >= self.MAX_SESSIONS:
-                del self._latest[next(iter(self._latest))]
             self._latest[session] = (whole_ids, hashes.copy())
+            self._num_session_hashes += len(hashes)
+            while self._num_session_hashes > self.MAX_SESSION_HASHES:
+                oldest = next(iter(self._latest))
+                self._num_session_hashes -= len(self._latest.pop(oldest)[1])
         done = num_whole * size
         hashes.extend(self._hasher.hash_blocks(tokens[done:], parent=parent,
                                                first_block_idx=done // hb))
