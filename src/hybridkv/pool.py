@@ -227,21 +227,19 @@ class BlockPool:
         else:
             self.eviction.place(self, cached, cached_tier, session_id)
 
-    def free_grouped(self, lists: Sequence[Sequence[Block]], scratch_tier: FreeTier,
-                     cached_tier: FreeTier | Sequence[FreeTier]) -> None:
-        """``free_blocks`` of each list in turn, in one pass (no eviction policy): head
-        insertions of later lists land in front of earlier ones, tail insertions after.
-        ``cached_tier`` may name one tier per list."""
+    def free_grouped(self, parts: Sequence[tuple[Sequence[Block], FreeTier]],
+                     scratch_tier: FreeTier) -> None:
+        """``free_blocks(blocks, scratch_tier, cached_tier)`` of each part in turn, in one
+        pass (no eviction policy): head insertions of later parts land in front of earlier
+        ones, tail insertions after."""
         assert self.eviction is None
         self.epoch += 1
         head_lists: list[list[Block]] = []
         tail: list[Block] = []
-        cached_tiers = [cached_tier] * len(lists) if isinstance(cached_tier, FreeTier) \
-            else cached_tier
-        for blocks, list_cached_tier in zip(lists, cached_tiers, strict=True):
-            split = scratch_tier is not list_cached_tier
+        for blocks, cached_tier in parts:
+            split = scratch_tier is not cached_tier
             scratch, cached = _drop_references(blocks, split)
-            for released, tier in ((scratch, scratch_tier), (cached, list_cached_tier)):
+            for released, tier in ((scratch, scratch_tier), (cached, cached_tier)):
                 if tier is FreeTier.HEAD:
                     head_lists.append(released)
                 elif tier is FreeTier.TAIL:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from hybridkv.block import Block
 from hybridkv.ids import BlockHash, ReqId
 from hybridkv.managers.base import GroupManager, live_blocks_tail_first, released_span
-from hybridkv.pool import BlockPool, FreeTier
+from hybridkv.pool import BlockPool
 
 
 class SiblingBatch:
@@ -80,16 +80,10 @@ class SiblingBatch:
             segment.reverse()  # newest first, as a per-group release
             member_table[start : last + 1] = nulls
             released.append(segment)
-        retention = first.retention
-        if retention.pin_drop_tokens is None:
-            self.pool.free_grouped(released, retention.scratch_tier, FreeTier.TAIL)
-            return
-        # pin:T — every member pins the same newest blocks (GroupManager.remove_skipped_blocks)
-        num_recent = first.num_pinned_on_drop(start, last, num_skipped)
-        split = [part for segment in released
-                 for part in (segment[:num_recent], segment[num_recent:])]
-        tiers = [FreeTier.PINNED, FreeTier.TAIL] * len(released)
-        self.pool.free_grouped(split, retention.scratch_tier, tiers)
+        self.pool.free_grouped(
+            [part for segment in released
+             for part in first.release_parts(segment, last, num_skipped)],
+            first.retention.scratch_tier)
 
     def next_release_tokens(self, num_computed_tokens: int) -> int:
         return self.members[0].next_release_tokens(num_computed_tokens)
@@ -103,4 +97,5 @@ class SiblingBatch:
                 released.append(live_blocks_tail_first(table, self.pool.null_block))
         if released:
             retention = self.members[0].retention
-            self.pool.free_grouped(released, retention.scratch_tier, retention.cached_tier)
+            self.pool.free_grouped([(blocks, retention.cached_tier) for blocks in released],
+                                   retention.scratch_tier)

@@ -12,7 +12,7 @@ Subclasses implement ``find_longest_hit`` (a classmethod: lookups never modify a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
 from typing import ClassVar
 
@@ -75,6 +75,20 @@ def released_span(table: list[Block] | None, num_skipped_tokens: int, block_size
     while first > 0 and table[first - 1] is not null_block:
         first -= 1
     return first, last
+
+
+def blocks_in_every_group(getters: Sequence[Callable[[BlockHash], Block | None]],
+                          block_hash: BlockHash) -> list[Block] | None:
+    """The cached block of each group for ``block_hash`` (one index getter per group, e.g.
+    ``pool.group_index(g).get``), or ``None`` as soon as one group misses: the per-position
+    probe of every hit search over a spec group's siblings."""
+    found: list[Block] = []
+    for get in getters:
+        block = get(block_hash)
+        if block is None:
+            return None
+        found.append(block)
+    return found
 
 
 class GroupManager(ABC):
@@ -278,28 +292,28 @@ class GroupManager(ABC):
         released = table[first : last + 1]
         released.reverse()  # newest first
         table[first : last + 1] = [self.pool.null_block] * len(released)
-        policy = self.retention
-        if policy.pin_drop_tokens is None:
-            self.pool.free_blocks(released, policy.scratch_tier, FreeTier.TAIL)
-            return
-        num_recent = self.num_pinned_on_drop(first, last, num_skipped)
-        self.pool.free_blocks(released[:num_recent], policy.scratch_tier, FreeTier.PINNED)
-        self.pool.free_blocks(released[num_recent:], policy.scratch_tier, FreeTier.TAIL)
+        for blocks, cached_tier in self.release_parts(released, last, num_skipped):
+            self.pool.free_blocks(blocks, self.retention.scratch_tier, cached_tier)
 
-    def num_pinned_on_drop(self, first: int, last: int, num_skipped_tokens: int) -> int:
-        """How many of the released blocks ``last, last - 1, …, first`` (table indices,
-        newest first) the retention policy pins: block ``last - j`` ends at ``(last - j + 1) * bs``
-        tokens; ends decrease along the list, so the pinned blocks form its prefix.
+    def release_parts(self, released: list[Block], last: int, num_skipped_tokens: int,
+                      ) -> list[tuple[list[Block], FreeTier]]:
+        """Split blocks leaving the window (table indices ``last, last - 1, …``, newest
+        first) into (blocks, tier for their cached ones): the tail, except that ``pin:T``
+        pins those ending less than T tokens before the window's new start. Block
+        ``last - j`` ends at ``(last - j + 1) * bs`` tokens; ends decrease along the list, so
+        the pinned blocks form its prefix.
 
-        Worked example (bs 16, ``pin:32``, window start moved to 96 tokens): blocks ending
-        at 96 and 80 end after 96 - 32 = 64 → pinned; the one ending at 64 is not → 2.
+        Worked example (bs 16, ``pin:32``, window start moved to 96 tokens, blocks ending at
+        96, 80, 64): 96 and 80 end after 96 - 32 = 64 → pinned, 64 → tail.
         """
         policy = self.retention
-        num_recent = 0
-        while num_recent <= last - first and policy.is_pinned_on_drop(
-                (last - num_recent + 1) * self.block_size, num_skipped_tokens):
-            num_recent += 1
-        return num_recent
+        if policy.pin_drop_tokens is None:
+            return [(released, FreeTier.TAIL)]
+        num_pinned = 0
+        while num_pinned < len(released) and policy.is_pinned_on_drop(
+                (last - num_pinned + 1) * self.block_size, num_skipped_tokens):
+            num_pinned += 1
+        return [(released[:num_pinned], FreeTier.PINNED), (released[num_pinned:], FreeTier.TAIL)]
 
     def free(self, req_id: ReqId, session_id: str | None = None) -> None:
         """Release the request's blocks, tail first (the chain end is evicted first).

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from hybridkv.block import Block
 from hybridkv.ids import BlockHash, GroupId
-from hybridkv.managers.base import GroupManager
+from hybridkv.managers.base import GroupManager, blocks_in_every_group
 from hybridkv.pool import BlockPool
 from hybridkv.specs import ChunkedLocalSpec, LayerSpec
 
@@ -43,12 +43,11 @@ class ChunkedLocalManager(GroupManager):
         num_blocks = min(max_num_tokens // bs, len(hashes))
         null = pool.null_block
         tables: list[list[Block]] = [[null] * first_block for _ in group_ids]
-        lookup = pool.get_cached_block
+        getters = [pool.group_index(g).get for g in group_ids]
         for i in range(first_block, num_blocks):
-            hits = [lookup(hashes[i], g) for g in group_ids]
-            if None in hits:
+            hits = blocks_in_every_group(getters, hashes[i])
+            if hits is None:
                 break
             for table, block in zip(tables, hits, strict=True):
-                assert block is not None
                 table.append(block)
         return tables, len(tables[0]) * bs

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from hybridkv.block import Block
 from hybridkv.ids import BlockHash, GroupId
-from hybridkv.managers.base import GroupManager
+from hybridkv.managers.base import GroupManager, blocks_in_every_group
 from hybridkv.pool import BlockPool
 from hybridkv.specs import LayerSpec
 
@@ -37,11 +37,10 @@ class FullAttentionManager(GroupManager):
                 append(found_block)
         else:
             for i in range(max_blocks):
-                found = [get(hashes[i]) for get in getters]
-                if None in found:
+                found = blocks_in_every_group(getters, hashes[i])
+                if found is None:
                     break
                 for table, block in zip(tables, found, strict=True):
-                    assert block is not None
                     table.append(block)
         num_hit_tokens = len(tables[0]) * bs
         if drop_eagle_block and num_hit_tokens > 0:

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from hybridkv.block import Block
 from hybridkv.ids import BlockHash, GroupId
-from hybridkv.managers.base import GroupManager
+from hybridkv.managers.base import GroupManager, blocks_in_every_group
 from hybridkv.pool import BlockPool
 from hybridkv.specs import LayerSpec, SlidingWindowSpec
 
@@ -80,9 +80,8 @@ class SlidingWindowManager(GroupManager):
         run = 0
         found_run = False
         for i in range(num_blocks - 1, -1, -1):
-            block_hash = hashes[i]
-            hits = [get(block_hash) for get in getters]
-            if None in hits:
+            hits = blocks_in_every_group(getters, hashes[i])
+            if hits is None:
                 run = 0
                 continue
             if run == 0 and bs != alignment_tokens:
@@ -90,7 +89,6 @@ class SlidingWindowManager(GroupManager):
                 if (num_end_blocks * bs) % alignment_tokens:
                     continue
             for table, block in zip(tables, hits, strict=True):
-                assert block is not None
                 table[i] = block
             run += 1
             if run >= need:
@@ -123,24 +121,15 @@ def _search_with_jumps(getters: Sequence[Callable[[BlockHash], Block | None]], n
     16 missing → end 16; [12, 16): 12 cached, 15 missing → end 15; [11, 15): 14 missing →
     end 14; [10, 14): 13 missing → end 13; [9, 13): all cached → hit 13 blocks.
     """
-    def present(i: int) -> list[Block] | None:
-        found: list[Block] = []
-        for get in getters:
-            block = get(hashes[i])
-            if block is None:
-                return None
-            found.append(block)
-        return found
-
     end = num_blocks
     while end >= need:
-        first = present(end - need)
+        first = blocks_in_every_group(getters, hashes[end - need])
         if first is None:
             end -= need
             continue
         window = [first]  # probed right to left below, then put back in order
         for k in range(end - 1, end - need, -1):
-            found = present(k)
+            found = blocks_in_every_group(getters, hashes[k])
             if found is None:
                 end = k
                 break
@@ -151,7 +140,7 @@ def _search_with_jumps(getters: Sequence[Callable[[BlockHash], Block | None]], n
                     for g in range(len(getters))]
     run: list[list[Block]] = []
     while len(run) < min(need, num_blocks):
-        found = present(len(run))
+        found = blocks_in_every_group(getters, hashes[len(run)])
         if found is None:
             break
         run.append(found)
