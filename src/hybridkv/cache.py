@@ -41,6 +41,7 @@ from hybridkv.policies import (
     split_policy_name,
 )
 from hybridkv.pool import BlockPool
+from hybridkv.specs import FullAttentionSpec
 from hybridkv.stats import PrefixCacheStats
 from hybridkv.tokens import RequestTokens
 
@@ -161,8 +162,8 @@ class KVCacheManager:
             f"{policy.name}+{eviction.name}"
         if self.recompute:
             self.policy_name += "+recompute"
-        chain_group = next((g.group_id for g in config.groups
-                            if g.spec.kind == "full_attention"), None)
+        chain_group = next((g.group_id for g in config.groups  # compressed kinds too
+                            if isinstance(g.spec, FullAttentionSpec)), None)
         evictor = None if eviction.name == "lru" else \
             EvictionPolicy(eviction, config.num_blocks, chain_group)
         self.pool = BlockPool(config.num_blocks, len(config.groups), evictor)

@@ -25,7 +25,7 @@ from typing import Literal
 
 from hybridkv.errors import ConfigError
 from hybridkv.ids import GroupId
-from hybridkv.specs import FullAttentionSpec, LayerSpec
+from hybridkv.specs import FullAttentionSpec, LayerSpec, is_prefix_cacheable, page_bytes_of
 
 HashAlgo = Literal["sha256", "xxhash"]
 
@@ -38,12 +38,19 @@ class CacheGroup:
     group_id: GroupId
     spec: LayerSpec
     layer_ids: tuple[int, ...]
+    layer_specs: tuple[LayerSpec, ...] = ()
+    """Per-member specs of a block-outermost packed group (``hybridkv.packing``): members
+    share ``spec``'s kind and block size but may differ in page bytes. Empty: every member
+    is ``spec`` (uniform-page planning)."""
 
 
 def plan_cache_groups(layer_specs: Sequence[LayerSpec]) -> tuple[CacheGroup, ...]:
     """Group layers into cache groups of equal layer count (full attention first)."""
     if not layer_specs:
         raise ConfigError("layer_specs", [], "a model needs at least one layer")
+    if any(getattr(spec, "packs_block_outermost", False) for spec in layer_specs):
+        from hybridkv.packing import plan_packed_groups  # packing imports this module
+        return plan_packed_groups(layer_specs)
     by_spec: dict[LayerSpec, list[int]] = {}
     for layer_id, spec in enumerate(layer_specs):
         by_spec.setdefault(spec, []).append(layer_id)
@@ -132,8 +139,10 @@ class CacheConfig:
 
     @property
     def hash_block_size(self) -> int:
-        """Granularity of request block hashes: the gcd of the groups' block sizes."""
-        return math.gcd(*(g.spec.block_size for g in self.groups))
+        """Granularity of request block hashes: the gcd of the prefix-cacheable groups'
+        block sizes (all groups when none is; V4.1's ring buffers never hash)."""
+        sizes = [g.spec.block_size for g in self.groups if is_prefix_cacheable(g.spec)]
+        return math.gcd(*(sizes or [g.spec.block_size for g in self.groups]))
 
     @property
     def layers_per_group(self) -> int:
@@ -141,7 +150,11 @@ class CacheConfig:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block: the largest group page (smaller pages are padded to it)."""
+        """Bytes of one block: the largest group page (smaller pages are padded to it);
+        for block-outermost packed groups, the widest group's summed member pages."""
+        if any(g.layer_specs for g in self.groups):
+            return max(sum(page_bytes_of(s) for s in g.layer_specs or (g.spec,) * len(
+                g.layer_ids)) for g in self.groups)
         return self.layers_per_group * max(
             g.spec.block_size * g.spec.kv_bytes_per_token for g in self.groups
         )

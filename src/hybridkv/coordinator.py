@@ -24,7 +24,7 @@ from hybridkv.managers.chunked import ChunkedLocalManager
 from hybridkv.policies import RetentionPolicy
 from hybridkv.pool import BlockPool
 from hybridkv.siblings import SiblingBatch
-from hybridkv.specs import LayerSpec, SlidingWindowSpec
+from hybridkv.specs import FullAttentionSpec, LayerSpec, SlidingWindowSpec, is_prefix_cacheable
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +126,8 @@ class HybridCoordinator:
     def _make_spec_groups(self) -> list[SpecGroup]:
         by_spec: dict[LayerSpec, list[GroupId]] = {}
         for manager in self.managers:
+            if not is_prefix_cacheable(manager.spec):
+                continue  # V4.1 ring buffers: never looked up (vLLM skips them too)
             by_spec.setdefault(manager.spec, []).append(manager.group_id)
         groups = [SpecGroup(spec, tuple(ids), MANAGER_FOR_SPEC[type(spec)])
                   for spec, ids in by_spec.items()]
@@ -374,7 +376,8 @@ def _bridge_tokens(config: CacheConfig) -> int | None:
     older blocks another request cached exactly, so the whole block must be exact.
     """
     kinds = {g.spec.kind for g in config.groups}
-    if "full_attention" not in kinds or "chunked_local" in kinds:
+    reads_prefix = any(isinstance(g.spec, FullAttentionSpec) for g in config.groups)
+    if not reads_prefix or "chunked_local" in kinds:  # compressed attention reads it too
         return None
     windows = sorted((layer_id, g.spec) for g in config.groups for layer_id in g.layer_ids
                      if isinstance(g.spec, SlidingWindowSpec))

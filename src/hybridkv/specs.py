@@ -15,8 +15,8 @@ costs in one layer (``kv_bytes_per_token``) and which earlier tokens a new token
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 from hybridkv.errors import ConfigError
 
@@ -111,5 +111,167 @@ class ChunkedLocalSpec:
         return (num_computed_tokens // chunk) * chunk
 
 
-LayerSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalSpec
-"""Any layer spec. Mamba state and compressed attention join this union later."""
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple``.
+
+    >>> round_up(37376, 576), round_up(8192, 576)
+    (37440, 8640)
+    """
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedAttentionSpec(FullAttentionSpec):
+    """DeepSeek-V4 compressed attention: one stored entry per ``tokens_per_state`` tokens.
+
+    A block of ``block_size`` tokens holds ``block_size // r`` entries of ``entry_bytes``,
+    padded to ``page_alignment_bytes``. It reads the whole prefix (a full-attention kind:
+    a hit at ``p`` needs every block before ``p``; table index ``i`` holds the entries of
+    tokens ``[i * bs, (i + 1) * bs)``, entry ``j`` of that block compressing tokens
+    ``[i * bs + j * r, i * bs + (j + 1) * r)``). ``role`` is ``"kv"`` (the compressed
+    latent, vLLM's sparse cache) or ``"indexer"`` (the lightning indexer's keys).
+    ``kv_bytes_per_token`` is derived: the padded page spread over the block's tokens.
+
+    V4 C4 layer, fp8_ds_mla (vLLM 0.33 ``MLAAttentionSpec(tokens_per_state=4)``):
+
+    >>> c4 = CompressedAttentionSpec(256, tokens_per_state=4, entry_bytes=584,
+    ...                              page_alignment_bytes=576)
+    >>> c4.entries_per_block, c4.page_bytes, c4.kv_bytes_per_token
+    (64, 37440, 147)
+    >>> CompressedAttentionSpec(256, tokens_per_state=128, entry_bytes=584,
+    ...                         page_alignment_bytes=576).page_bytes   # 2 * 584 → 1728
+    1728
+    """
+
+    kv_bytes_per_token: int = field(init=False, repr=False)
+    tokens_per_state: int = 1
+    entry_bytes: int = 1
+    page_alignment_bytes: int = 1
+    role: Literal["kv", "indexer"] = "kv"
+    kind: ClassVar[str] = "compressed_attention"
+    packs_block_outermost: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        _require_positive("block_size", self.block_size)
+        _require_positive("tokens_per_state", self.tokens_per_state)
+        _require_positive("entry_bytes", self.entry_bytes)
+        _require_positive("page_alignment_bytes", self.page_alignment_bytes)
+        if self.block_size % self.tokens_per_state:
+            raise ConfigError("block_size", self.block_size,
+                              f"must be a multiple of tokens_per_state={self.tokens_per_state}")
+        if self.role not in ("kv", "indexer"):
+            raise ConfigError("role", self.role, "choose 'kv' or 'indexer'")
+        object.__setattr__(self, "kv_bytes_per_token", -(-self.page_bytes // self.block_size))
+
+    @property
+    def entries_per_block(self) -> int:
+        return self.block_size // self.tokens_per_state
+
+    @property
+    def page_bytes(self) -> int:
+        return round_up(self.entries_per_block * self.entry_bytes, self.page_alignment_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindowMLASpec(SlidingWindowSpec):
+    """DeepSeek-V4's sliding-window branch (every layer, MTP included): window semantics of
+    ``SlidingWindowSpec`` plus a padded page (V4.1's ``swa_bounded_replay`` is the
+    ``bounded-replay`` retention policy, not a spec field).
+
+    >>> SlidingWindowMLASpec(64, 584, 128, page_alignment_bytes=576).page_bytes  # 64 * 584
+    37440
+    """
+
+    page_alignment_bytes: int = 1
+    kind: ClassVar[str] = "sliding_window_mla"
+    packs_block_outermost: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        SlidingWindowSpec.__post_init__(self)
+        _require_positive("page_alignment_bytes", self.page_alignment_bytes)
+
+    @property
+    def page_bytes(self) -> int:
+        return round_up(self.block_size * self.kv_bytes_per_token, self.page_alignment_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class CompressorStateSpec(SlidingWindowSpec):
+    """DeepSeek-V4 compressor residual state (fp32 kv + score rows of the tokens not yet
+    folded into an entry): window-like, ``kv_bytes_per_token`` state bytes per token.
+    C4 (overlapping): window 2 * 4 = 8, block 4; C128: window 128, block 8 (vLLM 0.33 fixes
+    the block sizes so the state pages share the KV pages' tensor).
+
+    >>> c4 = CompressorStateSpec(4, 2 * 2 * 512 * 4, 8, page_alignment_bytes=576)
+    >>> c4.num_tail_blocks, c4.page_bytes          # ceil(7 / 4); 4 * 8192 → 32832
+    (2, 32832)
+    """
+
+    page_alignment_bytes: int = 1
+    kind: ClassVar[str] = "compressor_state"
+    packs_block_outermost: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        SlidingWindowSpec.__post_init__(self)
+        _require_positive("page_alignment_bytes", self.page_alignment_bytes)
+
+    @property
+    def page_bytes(self) -> int:
+        return round_up(self.block_size * self.kv_bytes_per_token, self.page_alignment_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class RingBufferSpec:
+    """DeepSeek-V4.1 compressor state: one ring block per request (vLLM 0.33's
+    ``CircularBufferSpec``) holding the raw rows of the token group being compressed.
+    Never prefix-cached: a request claims its ring at admission and frees it at the end.
+    ``block_size`` is the ring capacity in tokens; ``kv_bytes_per_token`` its row bytes.
+
+    >>> RingBufferSpec(block_size=8, kv_bytes_per_token=4096).page_bytes
+    32768
+    """
+
+    block_size: int
+    kv_bytes_per_token: int
+    kind: ClassVar[str] = "ring_buffer"
+    packs_block_outermost: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        _require_positive("block_size", self.block_size)
+        _require_positive("kv_bytes_per_token", self.kv_bytes_per_token)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """The ring is rewritten in place; nothing is released early."""
+        del num_computed_tokens
+        return 0
+
+
+LayerSpec = (FullAttentionSpec | SlidingWindowSpec | ChunkedLocalSpec | CompressedAttentionSpec
+             | SlidingWindowMLASpec | CompressorStateSpec | RingBufferSpec)
+"""Any layer spec (a "layer" is one cache of a model layer: a V4 layer has up to five)."""
+
+
+def page_bytes_of(spec: LayerSpec) -> int:
+    """Bytes of one block of one layer: ``block_size * kv_bytes_per_token``, or the padded
+    page of a spec that pads (the DeepSeek-V4 kinds).
+
+    >>> page_bytes_of(FullAttentionSpec(16, 1024)), page_bytes_of(
+    ...     SlidingWindowMLASpec(64, 584, 128, page_alignment_bytes=576))
+    (16384, 37440)
+    """
+    page = getattr(spec, "page_bytes", None)
+    return page if isinstance(page, int) else spec.block_size * spec.kv_bytes_per_token
+
+
+def is_prefix_cacheable(spec: LayerSpec) -> bool:
+    """Whether a group of this spec takes part in prefix caching (vLLM's
+    ``prefix_cacheable``): every kind but V4.1's ring buffer.
+
+    >>> is_prefix_cacheable(RingBufferSpec(8, 4)), is_prefix_cacheable(FullAttentionSpec(4, 4))
+    (False, True)
+    """
+    return not isinstance(spec, RingBufferSpec)

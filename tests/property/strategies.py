@@ -1,7 +1,8 @@
 """Shared hypothesis strategies and oracles for the property tests.
 
 ``hybrid_setups()`` draws small hybrid models (1–3 groups of full / sliding-window /
-chunked-local layers, block sizes in {2, 4, 8}), a retention policy, EAGLE on/off and a
+chunked-local layers, block sizes in {2, 4, 8}, or a DeepSeek-V4 shape of compressed,
+indexer, compressor-state and sliding-window MLA groups), a retention policy, EAGLE on/off and a
 small pool that forces eviction and refusals. ``needed_blocks`` is the reference answer to
 "which blocks of group g must a request hold to compute position p next".
 """
@@ -22,6 +23,7 @@ from hybridkv import (
     LayerSpec,
     SlidingWindowSpec,
 )
+from hybridkv.specs import CompressedAttentionSpec, CompressorStateSpec, SlidingWindowMLASpec
 
 BLOCK_SIZES = (2, 4, 8)
 ALPHABET = 3  # tokens 0..2: shared prefixes and equal blocks are frequent
@@ -46,7 +48,27 @@ class HybridSetup:
 def layer_specs() -> st.SearchStrategy[tuple[LayerSpec, ...]]:
     """Random layer mixes, or (as often) a typical hybrid whose window groups have smaller
     blocks than the hit alignment, which is where sparse retention masks apply."""
-    return st.one_of(random_layer_specs(), typical_hybrid_specs())
+    return st.one_of(random_layer_specs(), typical_hybrid_specs(), v4_shaped_specs())
+
+
+@st.composite
+def v4_shaped_specs(draw: st.DrawFn) -> tuple[LayerSpec, ...]:
+    """A small DeepSeek-V4 shape: compressed KV (one entry per r tokens) with or without
+    an indexer cache, compressor state (window 2r overlapping, or r) in blocks smaller
+    than the alignment, and a sliding-window MLA branch; packed block-outermost."""
+    bs = draw(st.sampled_from((4, 8)))
+    ratio = draw(st.sampled_from([r for r in (2, 4, 8) if bs % r == 0]))
+    state_bs = draw(st.sampled_from([b for b in (1, 2, 4) if b < bs]))
+    specs: list[LayerSpec] = []
+    if draw(st.booleans()):
+        specs.append(CompressedAttentionSpec(bs, tokens_per_state=ratio, entry_bytes=1,
+                                             role="indexer"))
+    specs.append(SlidingWindowMLASpec(draw(st.sampled_from((2, 4))), 1,
+                                      draw(st.integers(2, 2 * bs))))
+    specs.append(CompressedAttentionSpec(bs, tokens_per_state=ratio, entry_bytes=2))
+    window = ratio * draw(st.sampled_from((1, 2)))
+    specs.append(CompressorStateSpec(state_bs, 4, window))
+    return tuple(specs)
 
 
 @st.composite
@@ -89,10 +111,13 @@ def random_layer_specs(draw: st.DrawFn) -> tuple[LayerSpec, ...]:
 
 
 @st.composite
-def hybrid_setups(draw: st.DrawFn, *, typical_tokens: int = 24) -> HybridSetup:
-    """A model, a policy and a pool of 0.5–4 times the blocks of a ``typical_tokens``
-    request (so pools both refuse admissions and evict cached blocks)."""
-    layers = draw(layer_specs())
+def hybrid_setups(draw: st.DrawFn, *, typical_tokens: int = 24,
+                  layers_from: st.SearchStrategy[tuple[LayerSpec, ...]] | None = None,
+                  ) -> HybridSetup:
+    """A model (from ``layers_from``, default ``layer_specs()``), a policy and a pool of
+    0.5–4 times the blocks of a ``typical_tokens`` request (so pools both refuse
+    admissions and evict cached blocks)."""
+    layers = draw(layers_from if layers_from is not None else layer_specs())
     alignment = math.lcm(*(s.block_size for s in layers))
     kind = POLICY_KINDS[draw(st.integers(0, 10**6)) % len(POLICY_KINDS)]  # ~uniform
     if kind == "interval":

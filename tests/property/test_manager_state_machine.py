@@ -49,6 +49,7 @@ from strategies import (
     hybrid_setups,
     needed_blocks,
     token_lists,
+    v4_shaped_specs,
 )
 
 from hybridkv import KVCacheManager, PrefixHit, StaleHitError
@@ -427,3 +428,17 @@ class ManagerMachine(RuleBasedStateMachine):
 TestManagerStateMachine = ManagerMachine.TestCase
 # long runs: hits need earlier requests to have computed (and kept) shared prefixes
 TestManagerStateMachine.settings = settings(stateful_step_count=200)
+
+
+class V4ManagerMachine(ManagerMachine):
+    """The same machine and content oracle on DeepSeek-V4 shapes only: compressed KV and
+    indexer groups (every block of the prefix, entries of r tokens), compressor-state and
+    sliding-window MLA groups (window tails), packed block-outermost."""
+
+    @initialize(setup=hybrid_setups(layers_from=v4_shaped_specs()))
+    def init_manager(self, setup: HybridSetup) -> None:
+        super().init_manager(setup)
+
+
+TestV4ManagerStateMachine = V4ManagerMachine.TestCase
+TestV4ManagerStateMachine.settings = settings(stateful_step_count=200, max_examples=60)

@@ -21,8 +21,9 @@ from hybridkv.sim.model import (
     parse_size,
 )
 
-PRESETS = ["dsv4-bench", "gemma3-1b", "gemma3-27b", "gemma3-bench", "gpt-oss-120b",
-           "llama4-scout", "mistral-7b"]
+PRESETS = sorted(["dsv4-bench", "gemma3-1b", "gemma3-27b", "gemma3-bench", "gpt-oss-120b",
+                  "llama4-scout", "mistral-7b",
+                  "deepseek-v4-flash", "deepseek-v4-pro"])
 
 
 def group_shape(name: str) -> list[tuple[str, int]]:

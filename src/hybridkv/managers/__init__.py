@@ -4,19 +4,33 @@ from __future__ import annotations
 
 from hybridkv.managers.base import GroupManager, coarse_hashes
 from hybridkv.managers.chunked import ChunkedLocalManager
+from hybridkv.managers.compressed import CompressedAttentionManager, CompressorStateManager
 from hybridkv.managers.full import FullAttentionManager
 from hybridkv.managers.window import SlidingWindowManager
-from hybridkv.specs import ChunkedLocalSpec, FullAttentionSpec, LayerSpec, SlidingWindowSpec
+from hybridkv.specs import (
+    ChunkedLocalSpec,
+    CompressedAttentionSpec,
+    CompressorStateSpec,
+    FullAttentionSpec,
+    LayerSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
 
 MANAGER_FOR_SPEC: dict[type[LayerSpec], type[GroupManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
     ChunkedLocalSpec: ChunkedLocalManager,
+    CompressedAttentionSpec: CompressedAttentionManager,
+    SlidingWindowMLASpec: SlidingWindowManager,
+    CompressorStateSpec: CompressorStateManager,
 }
 
 __all__ = [
     "MANAGER_FOR_SPEC",
     "ChunkedLocalManager",
+    "CompressedAttentionManager",
+    "CompressorStateManager",
     "FullAttentionManager",
     "GroupManager",
     "SlidingWindowManager",

@@ -29,6 +29,7 @@ from hybridkv.sim.replay import ProgressFn, ReplaySettings, RunResult, replay
 from hybridkv.sim.report import PolicyRun, Report, plot_policies, plot_sweep, render_table
 from hybridkv.sim.trace import Trace
 from hybridkv.sim.workloads import WORKLOAD_DEFAULTS, make_workload, retention_microbench_scenarios
+from hybridkv.specs import FullAttentionSpec
 
 DEFAULT_WORKLOAD = "agentic"
 DEFAULT_MODEL = "gemma3-bench"
@@ -325,7 +326,8 @@ def _merged(a: RunResult, b: RunResult) -> RunResult:
 
 def source_bound(source: Source, config: CacheConfig) -> float | None:
     """Offline optimum of the measured requests at this pool's token capacity."""
-    full = [g.spec.block_size for g in config.groups if g.spec.kind == "full_attention"]
+    full = [g.spec.block_size for g in config.groups  # compressed attention counts too
+            if isinstance(g.spec, FullAttentionSpec)]
     if not full:
         return None
     block_size = full[0]

@@ -62,8 +62,11 @@ _KV_KEYS: Final = ("block_size", "dtype_bytes", "num_kv_heads", "head_dim",
                    "kv_bytes_per_token")
 _TOP_KEYS: Final = frozenset({"name", "description", "layers", "num_layers", "pattern",
                               "kinds", *_KV_KEYS})
-_KIND_KEYS: Final = frozenset({"kind", "window", "chunk", *_KV_KEYS})
-_KINDS: Final = ("full_attention", "sliding_window", "chunked_local")
+_V4_KEYS: Final = frozenset({"tokens_per_state", "entry_bytes", "page_alignment", "role"})
+_KIND_KEYS: Final = frozenset({"kind", "window", "chunk", *_KV_KEYS, *_V4_KEYS})
+_V4_KINDS: Final = ("compressed_attention", "sliding_window_mla", "compressor_state",
+                    "ring_buffer")
+_KINDS: Final = ("full_attention", "sliding_window", "chunked_local", *_V4_KINDS)
 
 SIZE_UNITS: Final = {
     "": 1, "B": 1,
@@ -188,16 +191,36 @@ def _layers_from_pattern(doc: dict[str, object], defaults: dict[str, object], so
         raise ConfigError(f"{source}: pattern", pattern, "must be a non-empty array of names")
     if not isinstance(kinds, dict):
         raise ConfigError(f"{source}: kinds", kinds, "define each pattern name as [kinds.<name>]")
-    specs: dict[str, LayerSpec] = {}
+    specs: dict[str, list[LayerSpec]] = {}
     for name in pattern:
         if not isinstance(name, str) or not isinstance(kinds.get(name), dict):
             raise ConfigError(f"{source}: pattern", name,
                               f"names a kind that is not a table; defined: {sorted(kinds)}")
         if name not in specs:
-            table = kinds[name]
-            _reject_unknown(table, _KIND_KEYS, source, f"kinds.{name}.")
-            specs[name] = _spec(table, defaults, source, f"kinds.{name}.")
-    return [specs[pattern[i % len(pattern)]] for i in range(num_layers)]
+            specs[name] = _kind_specs(kinds, name, defaults, source)
+    return [spec for i in range(num_layers) for spec in specs[pattern[i % len(pattern)]]]
+
+
+def _kind_specs(kinds: dict[str, object], name: str, defaults: dict[str, object],
+                source: str) -> list[LayerSpec]:
+    """The caches of one pattern name: one spec, or with ``caches = [names]`` a model layer
+    holding several caches (DeepSeek-V4: window, compressed KV, indexer, compressor state),
+    each a "layer" of its own as in vLLM."""
+    table = kinds[name]
+    assert isinstance(table, dict)
+    if "caches" not in table:
+        _reject_unknown(table, _KIND_KEYS, source, f"kinds.{name}.")
+        return [_spec(table, defaults, source, f"kinds.{name}.")]
+    _reject_unknown(table, frozenset({"caches"}), source, f"kinds.{name}.")
+    caches = table["caches"]
+    def single(c: object) -> bool:
+        table = kinds.get(c) if isinstance(c, str) else None
+        return isinstance(table, dict) and "caches" not in table
+
+    if not isinstance(caches, list) or not caches or not all(single(c) for c in caches):
+        raise ConfigError(f"{source}: kinds.{name}.caches", caches,
+                          "must list names of single-cache [kinds.*] tables")
+    return [spec for cache in caches for spec in _kind_specs(kinds, cache, defaults, source)]
 
 
 def _spec(table: dict[str, object], defaults: dict[str, object], source: str, where: str,
@@ -206,6 +229,12 @@ def _spec(table: dict[str, object], defaults: dict[str, object], source: str, wh
     kind = merged.get("kind")
     if kind not in _KINDS:
         raise ConfigError(f"{source}: {where}kind", kind, f"choose one of {list(_KINDS)}")
+    if kind in _V4_KINDS:
+        from hybridkv.sim.compressed_kinds import v4_spec
+        return v4_spec(str(kind), merged, table, source, where)
+    for key in sorted(_V4_KEYS & set(table)):
+        raise ConfigError(f"{source}: {where}{key}", table[key],
+                          f"only {', '.join(_V4_KINDS)} layers take {key!r}")
     block_size = _positive_int(merged.get("block_size"), source, where + "block_size")
     kv_bytes = _kv_bytes(merged, source, where)
     extra = {"sliding_window": "window", "chunked_local": "chunk"}
