@@ -59,7 +59,8 @@ from hybridkv.engine.compressed_model import (
     CompressedModelConfig,
     v4_ratios,
 )
-from hybridkv.engine.model import AttendFn
+from hybridkv.engine.gated_delta import Projected
+from hybridkv.engine.model import AttendFn, MixFn
 from hybridkv.engine.model_config import ModelConfig
 from hybridkv.engine.runner import EngineRunner, RunOptions, _Work
 from hybridkv.engine.verify import VerifySettings
@@ -340,7 +341,7 @@ class CompressedRunner(EngineRunner):
                     rows.entries_write = index(layer_id, "entries", first, last)
                 rows.entries_read = index(layer_id, "entries", 0, last)
             layers.append(rows)
-        return _CompressedWork(chunk, row, [], [], [], [], layers)
+        return _CompressedWork(chunk, row, [], [], [], [], layers=layers)
 
     @property
     def model_shape(self) -> CompressedModelConfig:
@@ -348,6 +349,12 @@ class CompressedRunner(EngineRunner):
 
     def _attend_fn(self, works: list[_Work]) -> AttendFn:
         return _PagedAttend(self, [w for w in works if isinstance(w, _CompressedWork)])
+
+    def _mix_fn(self, works: list[_Work]) -> MixFn:
+        def no_recurrent_layers(layer_id: int, projected: Projected) -> torch.Tensor:
+            raise ConfigError("layer_id", layer_id, "V4-shaped models have no recurrent layers")
+
+        return no_recurrent_layers
 
 
 class _PagedAttend:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from hybridkv.engine.attention import AttentionFn
+    from hybridkv.engine.gated_delta import Recurrence
     from hybridkv.engine.model import HybridDecoder
     from hybridkv.engine.runner import EngineRunner, RunOptions, RunResult
     from hybridkv.sim.scheduler import SchedRequest
@@ -152,12 +153,16 @@ def run_verify(model: HybridDecoder, workload: Sequence[SchedRequest], *,
                policies: Sequence[str] = DEFAULT_POLICIES, eagle: bool = False,
                settings: VerifySettings | None = None,
                attention: AttentionFn | None = None,
+               recurrence: Recurrence | None = None,
                runner_factory: RunnerFactory | None = None) -> VerifyReport:
     """Run ``workload`` without caching and under each policy (and EAGLE mode when
-    ``eagle``); compare every cached run with the uncached one. ``runner_factory`` builds
-    each run's runner (default: ``EngineRunner`` on ``cache_config_for_model``)."""
+    ``eagle``); compare every cached run with the uncached one. ``recurrence`` is the
+    Gated DeltaNet path of ``linear_attention`` layers (default: the token-by-token
+    reference); ``runner_factory`` builds each run's runner (default: ``EngineRunner`` on
+    ``cache_config_for_model``)."""
     from hybridkv.engine.attention import reference_attention
     from hybridkv.engine.model_config import cache_config_for_model
+    from hybridkv.engine.recurrent import gated_delta_reference
     from hybridkv.engine.runner import EngineRunner, RunOptions
 
     s = settings or VerifySettings()
@@ -173,7 +178,8 @@ def run_verify(model: HybridDecoder, workload: Sequence[SchedRequest], *,
             model.config, num_blocks=s.num_blocks, block_size=s.block_size,
             full_block_size=s.full_block_size, dtype_bytes=dtype_bytes,
             enable_caching=caching, use_eagle=use_eagle, max_num_batched_tokens=s.chunk_size)
-        return EngineRunner(model, cache_config, options, attention=attend).run(workload)
+        return EngineRunner(model, cache_config, options, attention=attend,
+                            recurrence=recurrence or gated_delta_reference).run(workload)
 
     baseline = run("latest", False, False)
     outcomes: list[PolicyOutcome] = []
