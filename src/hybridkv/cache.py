@@ -265,6 +265,8 @@ class KVCacheManager:
             if self.recompute:
                 tables, num_tokens, fa_tokens, missing = self.coordinator.plan_recompute(
                     tables, num_tokens)
+                if junction <= num_tokens:  # the plan reaches it: no longer a junction
+                    junction = 0
             hit = PrefixHit(req_id, num_tokens, tuple(tuple(t) for t in tables), junction,
                             self.pool.epoch, fa_tokens, missing)
         self.manager_seconds += time.perf_counter() - started
