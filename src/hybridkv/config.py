@@ -25,7 +25,7 @@ from typing import Literal
 
 from hybridkv.errors import ConfigError
 from hybridkv.ids import GroupId
-from hybridkv.specs import FullAttentionSpec, LayerSpec, is_prefix_cacheable, page_bytes_of
+from hybridkv.specs import FullAttentionSpec, LayerSpec, is_prefix_cacheable, page_bytes
 
 HashAlgo = Literal["sha256", "xxhash"]
 
@@ -153,8 +153,6 @@ class CacheConfig:
         """Bytes of one block: the largest group page (smaller pages are padded to it);
         for block-outermost packed groups, the widest group's summed member pages."""
         if any(g.layer_specs for g in self.groups):
-            return max(sum(page_bytes_of(s) for s in g.layer_specs or (g.spec,) * len(
+            return max(sum(page_bytes(s) for s in g.layer_specs or (g.spec,) * len(
                 g.layer_ids)) for g in self.groups)
-        return self.layers_per_group * max(
-            g.spec.block_size * g.spec.kv_bytes_per_token for g in self.groups
-        )
+        return self.layers_per_group * max(page_bytes(g.spec) for g in self.groups)

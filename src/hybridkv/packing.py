@@ -39,7 +39,7 @@ from hybridkv.specs import (
     LayerSpec,
     RingBufferSpec,
     SlidingWindowSpec,
-    page_bytes_of,
+    page_bytes,
 )
 
 
@@ -116,7 +116,7 @@ def plan_packed_groups(layer_specs: Sequence[LayerSpec]) -> tuple[CacheGroup, ..
             bucket = index[key] = _Bucket(key, spec)
             buckets.append(bucket)
         bucket.layers.append(layer_id)
-        bucket.by_page.setdefault(page_bytes_of(spec), []).append(layer_id)
+        bucket.by_page.setdefault(page_bytes(spec), []).append(layer_id)
     mixed_balanced = [b.max_layers_per_page for b in buckets
                       if b.balanced and len(b.by_page) > 1]
     min_repeats = max(mixed_balanced, default=0)
@@ -141,7 +141,7 @@ def plan_packed_groups(layer_specs: Sequence[LayerSpec]) -> tuple[CacheGroup, ..
     for bucket in buckets:
         num_groups = num_groups_for(bucket)
         if anchor and is_state_bucket(bucket):
-            per_block = max(anchor // page_bytes_of(bucket.first_spec), 1)
+            per_block = max(anchor // page_bytes(bucket.first_spec), 1)
             num_groups = max(num_groups, -(-len(bucket.layers) // per_block))
         if num_groups == 1:
             member_lists = [bucket.layers]
@@ -163,4 +163,4 @@ def plan_packed_groups(layer_specs: Sequence[LayerSpec]) -> tuple[CacheGroup, ..
 
 def packed_bytes_per_block(groups: Sequence[CacheGroup]) -> int:
     """One pool block: the widest group's summed pages (block-outermost rows)."""
-    return max(sum(page_bytes_of(s) for s in g.layer_specs) for g in groups)
+    return max(sum(page_bytes(s) for s in g.layer_specs) for g in groups)

@@ -250,21 +250,68 @@ class RingBufferSpec:
         return 0
 
 
-LayerSpec = (FullAttentionSpec | SlidingWindowSpec | ChunkedLocalSpec | CompressedAttentionSpec
-             | SlidingWindowMLASpec | CompressorStateSpec | RingBufferSpec)
+@dataclass(frozen=True, slots=True)
+class RecurrentStateSpec:
+    """A layer with a fixed-size recurrent state (Mamba, Mamba-2 SSD, Gated DeltaNet, KDA).
+
+    A prefix hit at token ``p`` needs the layer's state *exactly after* ``p`` tokens: one
+    *checkpoint* (conv state + SSM state), whatever ``p`` is. One block holds one checkpoint
+    (vLLM 0.33 ``mamba_cache_mode="align"``); the block table maps positions to checkpoints:
+    table index ``i`` holds the state after ``(i + 1) * block_size`` tokens, or the null
+    block when no checkpoint is kept there (``docs/design.md``, "Recurrent state").
+
+    ``block_size`` is the checkpoint spacing in tokens; in a hybrid model it equals the
+    attention block size after unification (``hybridkv.recurrent.align_hybrid_block_size``).
+    ``state_bytes`` is one layer's checkpoint in bytes (its page; padded up to the largest
+    page of the pool, as vLLM pads the Mamba page to the attention page).
+
+    >>> gdn = RecurrentStateSpec(block_size=784, state_bytes=3_207_168)   # Qwen3.5-27B GDN
+    >>> gdn.num_skipped_tokens(2000)    # only the state after the last token is still needed
+    1999
+    >>> gdn.page_bytes
+    3207168
+    """
+
+    block_size: int
+    state_bytes: int
+    kind: ClassVar[str] = "recurrent_state"
+
+    def __post_init__(self) -> None:
+        _require_positive("block_size", self.block_size)
+        _require_positive("state_bytes", self.state_bytes)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of one layer: one checkpoint."""
+        return self.state_bytes
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Every token but the last: the running state already summarises them."""
+        return max(0, num_computed_tokens - 1)
+
+
+LayerSpec = (FullAttentionSpec | SlidingWindowSpec | ChunkedLocalSpec | RecurrentStateSpec
+             | CompressedAttentionSpec | SlidingWindowMLASpec | CompressorStateSpec
+             | RingBufferSpec)
 """Any layer spec (a "layer" is one cache of a model layer: a V4 layer has up to five)."""
 
 
-def page_bytes_of(spec: LayerSpec) -> int:
-    """Bytes of one block of one layer: ``block_size * kv_bytes_per_token``, or the padded
-    page of a spec that pads (the DeepSeek-V4 kinds).
+def page_bytes(spec: LayerSpec) -> int:
+    """Bytes of one block of one layer of ``spec`` (before padding to the pool's page):
+    ``block_size * kv_bytes_per_token``, or the spec's own page (a recurrent checkpoint,
+    the padded pages of the DeepSeek-V4 kinds).
 
-    >>> page_bytes_of(FullAttentionSpec(16, 1024)), page_bytes_of(
-    ...     SlidingWindowMLASpec(64, 584, 128, page_alignment_bytes=576))
-    (16384, 37440)
+    >>> page_bytes(FullAttentionSpec(block_size=16, kv_bytes_per_token=4096))
+    65536
+    >>> page_bytes(RecurrentStateSpec(block_size=16, state_bytes=1000))
+    1000
+    >>> page_bytes(SlidingWindowMLASpec(64, 584, 128, page_alignment_bytes=576))  # 64 * 584
+    37440
     """
-    page = getattr(spec, "page_bytes", None)
-    return page if isinstance(page, int) else spec.block_size * spec.kv_bytes_per_token
+    if isinstance(spec, (RecurrentStateSpec, CompressedAttentionSpec, SlidingWindowMLASpec,
+                         CompressorStateSpec, RingBufferSpec)):
+        return spec.page_bytes
+    return spec.block_size * spec.kv_bytes_per_token
 
 
 def is_prefix_cacheable(spec: LayerSpec) -> bool:

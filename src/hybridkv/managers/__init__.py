@@ -6,6 +6,7 @@ from hybridkv.managers.base import GroupManager, coarse_hashes
 from hybridkv.managers.chunked import ChunkedLocalManager
 from hybridkv.managers.compressed import CompressedAttentionManager, CompressorStateManager
 from hybridkv.managers.full import FullAttentionManager
+from hybridkv.managers.recurrent import RecurrentStateManager
 from hybridkv.managers.window import SlidingWindowManager
 from hybridkv.specs import (
     ChunkedLocalSpec,
@@ -13,6 +14,7 @@ from hybridkv.specs import (
     CompressorStateSpec,
     FullAttentionSpec,
     LayerSpec,
+    RecurrentStateSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
@@ -21,6 +23,7 @@ MANAGER_FOR_SPEC: dict[type[LayerSpec], type[GroupManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
     ChunkedLocalSpec: ChunkedLocalManager,
+    RecurrentStateSpec: RecurrentStateManager,
     CompressedAttentionSpec: CompressedAttentionManager,
     SlidingWindowMLASpec: SlidingWindowManager,
     CompressorStateSpec: CompressorStateManager,
@@ -33,6 +36,7 @@ __all__ = [
     "CompressorStateManager",
     "FullAttentionManager",
     "GroupManager",
+    "RecurrentStateManager",
     "SlidingWindowManager",
     "coarse_hashes",
 ]
