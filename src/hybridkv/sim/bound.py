@@ -306,18 +306,7 @@ def unit_optimum(trace: Trace, log: AdmissionLog, capacity_units: Sequence[int],
     num_events = len(log)
     depth = [((requests[i].input_length - 1) // unit_tokens) if r else 0
              for i, r in zip(log.request_indices, log.reads, strict=True)]
-    next_uses: list[array[int]] = [_EMPTY] * num_events
-    last_seen: dict[int, int] = {}
-    for e in range(num_events - 1, -1, -1):
-        keys = keys_of[log.request_indices[e]]
-        get = last_seen.get
-        next_uses[e] = array("q", [get(k, _NEVER) for k in keys])
-        usable = min(depth[e], len(keys))
-        if usable:
-            last_seen.update(dict.fromkeys(keys[:usable], e))
-        if usable < len(keys):
-            last_seen.update(dict.fromkeys(keys[usable:], _NEVER))
-    del last_seen
+    next_uses = _next_reads([keys_of[i] for i in log.request_indices], depth)
     cached: dict[int, int] = {}
     heap: list[tuple[int, int, int]] = []
     runs: dict[int, tuple[array[int], int, int]] = {}
@@ -355,6 +344,27 @@ def unit_optimum(trace: Trace, log: AdmissionLog, capacity_units: Sequence[int],
                 runs[run_id] = (run_keys, start, end - 1)
                 heapq.heappush(heap, (neg_use, 2 - end, run_id))
     return HitTotals(prompt_tokens, hit_units * unit_tokens)
+
+
+def _next_reads(keyed: Sequence[array[int]], depth: Sequence[int]) -> list[array[int]]:
+    """Per event and unit: the next event that *reads* the same key, or never when the next
+    occurrence only recomputes it (past that event's usable ``depth``).
+
+    >>> [list(u) for u in _next_reads([array("Q", [1, 2]), array("Q", [1, 2])], [2, 1])]
+    [[1, 4611686018427387904], [4611686018427387904, 4611686018427387904]]
+    """
+    next_uses: list[array[int]] = [_EMPTY] * len(keyed)
+    last_seen: dict[int, int] = {}
+    for e in range(len(keyed) - 1, -1, -1):
+        keys = keyed[e]
+        get = last_seen.get
+        next_uses[e] = array("q", [get(k, _NEVER) for k in keys])
+        usable = min(depth[e], len(keys))
+        if usable:
+            last_seen.update(dict.fromkeys(keys[:usable], e))
+        if usable < len(keys):
+            last_seen.update(dict.fromkeys(keys[usable:], _NEVER))
+    return next_uses
 
 
 @dataclass(frozen=True, slots=True)

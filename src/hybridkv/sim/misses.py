@@ -17,8 +17,8 @@ tail       ``F - h``                full-attention KV resident, but a non-full g
 evicted    ``R - F`` when the block full-attention KV was cached before and evicted
            ending the chain was
            cached once
-admission  ``R - F`` otherwise      never cached: the policy did not cache it, or the
-                                    earlier request computing it had not reached it yet
+admission  ``R - F`` otherwise      never cached: the policy did not cache it (caching
+                                    off), or no request had computed it yet
 ========== ======================== ===================================================
 
 Worked example (``A`` 32, hash blocks of 8, ``n`` 100, ``M`` 72, ``R`` 64, ``F`` 32,
@@ -141,7 +141,7 @@ class ObservedManager(KVCacheManager):
             num_tokens - 1, num_tokens if max_num_tokens is None else max_num_tokens) > 0
         resident = hit.num_tokens
         if ran and self._full_managers:
-            resident = max(resident, self.coordinator._last_full_attention[0],  # noqa: SLF001
+            resident = max(resident, self.coordinator._last_full_attention[0],
                            hit.full_attention_tokens)
         self._lookup[req_id] = (hit.num_tokens, resident)
         return hit
@@ -178,7 +178,9 @@ class ObservedManager(KVCacheManager):
 
     def _classify(self, req_id: ReqId, hit_tokens: int) -> None:
         state = self._requests[req_id]
-        hashes = state.block_hashes
+        hashes: Sequence[BlockHash] = state.block_hashes
+        if not self.config.enable_caching:  # nothing is hashed: hash for the breakdown only
+            hashes = self.hasher.hash_blocks(list(state.token_ids[: state.num_prompt_tokens]))
         seen = self._seen
         hb = self.hasher.block_size
         num_seen = 0
@@ -203,12 +205,17 @@ class ObservedManager(KVCacheManager):
             seen.setdefault(block_hash, _ADMITTED)
 
     def _mark_computed(self, req_id: ReqId) -> None:
+        """The request's cached full-attention blocks: its computed ones (to the last
+        aligned boundary when the retention policy clamps there)."""
         state = self._requests[req_id]
         if not state.is_running or not self.config.enable_caching:
             return
-        hb = self.hasher.block_size
+        num_cached = state.num_computed_tokens
+        if self.retention.clamps_to_alignment:
+            a = self.coordinator.alignment_tokens
+            num_cached = (num_cached // a) * a
         seen = self._seen
-        for block_hash in state.block_hashes[: state.num_computed_tokens // hb]:
+        for block_hash in state.block_hashes[: num_cached // self.hasher.block_size]:
             seen[block_hash] = _COMPUTED
 
     def _held_non_items(self) -> int:
