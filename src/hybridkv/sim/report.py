@@ -118,7 +118,8 @@ def render_table(report: Report, console: Console) -> None:
     for name in ("policy", "hit rate", "bound", "bound_fa", "ceiling",
                  *(_CAUSE_LABELS[c] for c in MISS_CAUSES), "hit tokens", "prompt tokens",
                  "preemptions", "manager s", "wall s"):
-        table.add_column(name, justify="left" if name == "policy" else "right")
+        table.add_column(name, justify="left" if name == "policy" else "right",
+                         no_wrap=name == "policy")
     best = max((r.result.hit_rate for r in report.runs), default=0.0)
     for run in report.runs:
         r = run.result
