@@ -40,7 +40,7 @@ def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=None,
                         help="token budget per step (default 8192)")
     parser.add_argument("--hash-algo", choices=("sha256", "xxhash"), default="sha256")
-    parser.add_argument("--eagle", action="store_true", help="EAGLE/MTP drop mode")
+    parser.add_argument("--eagle", action="store_true", help="EAGLE/MTP (lookahead block hashes)")
 
 
 def _add_pool_arguments(parser: argparse.ArgumentParser, *, many: bool) -> None:
