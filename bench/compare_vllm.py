@@ -222,10 +222,14 @@ def _print_row(row: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", required=True, help="trace file or directory")
+    parser.add_argument("--trace", help="trace file or directory")
     parser.add_argument("--model", required=True, help="preset name or model .toml")
-    parser.add_argument("--num-blocks", type=int, required=True,
+    parser.add_argument("--num-blocks", type=int,
                         help="pool size including the null block (same for both)")
+    parser.add_argument("--check-kv-memory", default=None, metavar="SIZES",
+                        help="comma-separated KV budgets (e.g. 20GiB,108GB): compare the block "
+                             "counts both sides plan from them (block-outermost models: vLLM's "
+                             "own grouping of the real specs); alone, only this check runs")
     parser.add_argument("--policy", default="prepend,latest,interval:32768",
                         help="comma-separated hybridkv policies")
     parser.add_argument("--limit", type=int, default=None, help="first N requests only")
@@ -248,6 +252,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vLLM is not importable ({err}); run bench/setup_vllm.sh and use its python",
               file=sys.stderr)
         return 2
+    failed_blocks = False
+    if args.check_kv_memory:
+        failed_blocks = check_block_counts(args)
+        if args.trace is None:
+            return 1 if failed_blocks else 0
+    if args.trace is None or args.num_blocks is None:
+        parser.error("--trace and --num-blocks are required unless --check-kv-memory runs alone")
     trace = load_trace(args.trace, limit=args.limit)
     config = load_model(args.model).cache_config(
         args.num_blocks, max_num_batched_tokens=args.chunk_size,
@@ -263,8 +274,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_row(rows[-1])
         if args.json is not None:
             _write_json(args, trace, rows, vllm.__version__)
-    return 1 if any(row["mismatches"] or not row["lookup_sequences_identical"]
-                    for row in rows) else 0
+    return 1 if failed_blocks or any(row["mismatches"] or not row["lookup_sequences_identical"]
+                                     for row in rows) else 0
+
+
+def check_block_counts(args: argparse.Namespace) -> bool:
+    """Print our and vLLM's pool sizes for each ``--check-kv-memory`` budget; True on any
+    difference. vLLM's side: its ``get_kv_cache_groups`` on the real V4 specs and its
+    ``_get_kv_cache_bytes_per_block`` (block-outermost), ``num_blocks = bytes // per``."""
+    from vllm_adapter import vllm_v4_bytes_per_block, vllm_v4_groups
+
+    from hybridkv.sim.model import num_blocks_for_memory, parse_size
+
+    shape = load_model(args.model)
+    layers = shape.layer_specs()
+    groups = vllm_v4_groups(layers, "latest")
+    per_block = vllm_v4_bytes_per_block(groups)
+    ours_groups = [len(g.layer_ids) for g in shape.cache_config(2).groups]
+    theirs_groups = [len(g.layer_names) for g in groups]
+    failed = ours_groups != theirs_groups or per_block != shape.bytes_per_block
+    print(f"groups hybridkv {ours_groups} vllm {theirs_groups}; bytes per block hybridkv "
+          f"{shape.bytes_per_block:,} vllm {per_block:,}")
+    for budget in (b.strip() for b in args.check_kv_memory.split(",") if b.strip()):
+        ours = num_blocks_for_memory(shape, budget)
+        theirs = parse_size(budget) // per_block
+        failed |= ours != theirs
+        print(f"  --kv-memory {budget}: hybridkv {ours:,} blocks, vllm {theirs:,} "
+              f"({'identical' if ours == theirs else 'DIFFER'})", flush=True)
+    return failed
 
 
 def _write_json(args: argparse.Namespace, trace: Trace, rows: list[dict[str, Any]],

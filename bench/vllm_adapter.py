@@ -21,24 +21,37 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core import kv_cache_utils
+from vllm.v1.core import kv_cache_planning, kv_cache_utils
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
+    get_kv_quant_mode,
 )
+from vllm.v1.kv_cache_interface import SlidingWindowMLASpec as VllmSlidingWindowMLASpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import Request, RequestStatus
 
 from hybridkv.config import CacheConfig
-from hybridkv.specs import ChunkedLocalSpec, LayerSpec
+from hybridkv.specs import (
+    ChunkedLocalSpec,
+    CompressedAttentionSpec,
+    CompressorStateSpec,
+    LayerSpec,
+    RingBufferSpec,
+    SlidingWindowMLASpec,
+)
 from hybridkv.specs import SlidingWindowSpec as OurSlidingWindowSpec
 
 DEFAULT_MAX_MODEL_LEN = 1 << 25
@@ -48,12 +61,12 @@ DEFAULT_MAX_MODEL_LEN = 1 << 25
 def retention_interval(policy: str) -> int | None:
     """hybridkv policy name → vLLM ``prefix_cache_retention_interval``.
 
-    >>> [retention_interval(p) for p in ("prepend", "latest", "interval:32768")]
-    [None, 0, 32768]
+    >>> [retention_interval(p) for p in ("prepend", "latest", "interval:32768", "bounded-replay")]
+    [None, 0, 32768, 0]
     """
     if policy == "prepend":
         return None
-    if policy == "latest":
+    if policy in ("latest", "bounded-replay"):  # bounded-replay: V4.1's default retention
         return 0
     if policy.startswith("interval:"):
         return int(policy.split(":", 1)[1])
@@ -100,6 +113,101 @@ def vllm_kv_cache_config(config: CacheConfig, policy: str) -> KVCacheConfig:
     )
 
 
+# --------------------------------------------------------------------------- DeepSeek-V4
+def vllm_v4_layer_spec(spec: LayerSpec, policy: str) -> Any:
+    """One of our DeepSeek-V4 cache specs as the vLLM 0.33 spec DeepSeek-V4 itself builds
+    (``models/deepseek_v4/attention.py``, ``compressor.py``; fp8_ds_mla KV, FP8 indexer)."""
+    if isinstance(spec, CompressedAttentionSpec):
+        if spec.role == "kv":
+            return MLAAttentionSpec(
+                block_size=spec.block_size, num_kv_heads=1, max_tp_shards=1, head_size=512,
+                dtype=torch.uint8, tokens_per_state=spec.tokens_per_state,
+                cache_dtype_str="fp8_ds_mla", alignment=spec.page_alignment_bytes,
+                model_version="deepseek_v4", kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
+                state_content_bytes=spec.entry_bytes)
+        return MLAAttentionSpec(  # DeepseekV4IndexerCache: head_dim carries the fp8 scales
+            block_size=spec.block_size, num_kv_heads=1, max_tp_shards=1,
+            head_size=spec.entry_bytes, dtype=torch.uint8,
+            tokens_per_state=spec.tokens_per_state, alignment=spec.page_alignment_bytes)
+    if isinstance(spec, CompressorStateSpec):
+        if spec.kv_bytes_per_token % 4:
+            raise ValueError(f"compressor state of {spec.kv_bytes_per_token} B/token is not fp32")
+        return VllmSlidingWindowMLASpec(  # CompressorStateCache: fp32 state rows
+            block_size=spec.block_size, num_kv_heads=1, max_tp_shards=1,
+            head_size=spec.kv_bytes_per_token // 4, dtype=torch.float32,
+            sliding_window=spec.sliding_window, alignment=spec.page_alignment_bytes)
+    if isinstance(spec, SlidingWindowMLASpec):
+        return VllmSlidingWindowMLASpec(  # DeepseekV4SWACache
+            bounded_replay=policy == "bounded-replay", block_size=spec.block_size,
+            num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8,
+            sliding_window=spec.sliding_window, cache_dtype_str="fp8_ds_mla",
+            state_content_bytes=spec.kv_bytes_per_token, alignment=spec.page_alignment_bytes,
+            model_version="deepseek_v4", kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"))
+    if isinstance(spec, RingBufferSpec):
+        if spec.kv_bytes_per_token % 4:
+            raise ValueError(f"ring rows of {spec.kv_bytes_per_token} B/token are not fp32")
+        return CircularBufferSpec(block_size=spec.block_size, num_kv_heads=1,
+                                  head_size=spec.kv_bytes_per_token // 4, head_size_v=0,
+                                  dtype=torch.float32)
+    raise ValueError(f"{type(spec).__name__} is not a DeepSeek-V4 cache kind")
+
+
+def _planner_config() -> Any:
+    """The few ``VllmConfig`` fields vLLM 0.33's grouping reads, as DeepSeek-V4 resolves
+    them: hybrid manager on, no HiSparse, block-outermost layout (its indexer backend
+    supports only BLHNC / BLNHC)."""
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+        attention_config=SimpleNamespace(hisparse_config=None),
+        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: KVCacheLayout.BLHNC),
+        model_config=SimpleNamespace(supports_kv_cache_grouping=False),
+        speculative_config=None)
+
+
+def vllm_v4_groups(layers: Sequence[LayerSpec], policy: str) -> list[KVCacheGroupSpec]:
+    """vLLM 0.33's own grouping (``kv_cache_planning.get_kv_cache_groups``) of the real V4
+    specs, one layer name ``caches.<i>`` per entry of ``layers``."""
+    specs = {f"caches.{i}": vllm_v4_layer_spec(s, policy) for i, s in enumerate(layers)}
+    return kv_cache_planning.get_kv_cache_groups(_planner_config(), specs)
+
+
+def vllm_v4_bytes_per_block(groups: Sequence[KVCacheGroupSpec]) -> int:
+    """vLLM 0.33's bytes of one pool block (``_get_kv_cache_bytes_per_block``)."""
+    return kv_cache_planning._get_kv_cache_bytes_per_block(list(groups), KVCacheLayout.BLHNC)
+
+
+def check_v4_groups(config: CacheConfig, groups: Sequence[KVCacheGroupSpec]) -> None:
+    """Raise unless vLLM planned the same groups (members in order) as hybridkv."""
+    ours = [[f"caches.{i}" for i in g.layer_ids] for g in config.groups]
+    theirs = [list(g.layer_names) for g in groups]
+    if ours != theirs:
+        raise ValueError(f"vLLM groups {[len(t) for t in theirs]} differ from hybridkv's "
+                         f"{[len(o) for o in ours]}")
+
+
+def model_layers(config: CacheConfig) -> list[LayerSpec]:
+    """The per-cache layer specs of a block-outermost config, in model order."""
+    layers: dict[int, LayerSpec] = {}
+    for group in config.groups:
+        layers.update(zip(group.layer_ids, group.layer_specs, strict=True))
+    return [layers[i] for i in range(len(layers))]
+
+
+def vllm_v4_kv_cache_config(config: CacheConfig, policy: str) -> KVCacheConfig:
+    """The scheduler-side ``KVCacheConfig`` vLLM builds for a V4 model: its own groups of
+    the real specs, each represented by its first layer spec
+    (``generate_scheduler_kv_cache_config``)."""
+    groups = vllm_v4_groups(model_layers(config), policy)
+    check_v4_groups(config, groups)
+    cacheable = [g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable]
+    sizes = [g.kv_cache_spec.block_size for g in groups]
+    worker = KVCacheConfig(
+        num_blocks=config.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+        prefix_cache_retention_interval=retention_interval(policy),
+        hash_block_size=math.gcd(*cacheable), cache_hit_alignment_tokens=math.lcm(*sizes))
+    return kv_cache_utils.generate_scheduler_kv_cache_config([worker])
+
+
 @dataclass(frozen=True, slots=True)
 class VllmHit:
     """What ``find_longest_hit`` returns: the hit length plus vLLM's lookup results."""
@@ -125,7 +233,17 @@ class VllmManager:
         sizes = [g.spec.block_size for g in config.groups]
         self.hash_block_size = math.gcd(*sizes)
         self.scheduler_block_size = math.lcm(*sizes)
-        self.kv_cache_config = vllm_kv_cache_config(config, policy)
+        packed = any(g.layer_specs for g in config.groups)  # DeepSeek-V4: real V4 specs
+        self.kv_cache_config = vllm_v4_kv_cache_config(config, policy) if packed \
+            else vllm_kv_cache_config(config, policy)
+        if packed:
+            cacheable = [g.kv_cache_spec.block_size
+                         for g in self.kv_cache_config.kv_cache_groups
+                         if g.kv_cache_spec.prefix_cacheable]
+            self.hash_block_size = math.gcd(*cacheable)
+        self.prefix_replay_tokens = max(g.kv_cache_spec.prefix_replay_tokens
+                                        for g in self.kv_cache_config.kv_cache_groups)
+        """vLLM's scheduler: hits no longer than this are dropped (V4.1 bounded replay)."""
         hash_fn = get_hash_fn_by_name(config.hash_algo)
         kv_cache_utils.init_none_hash(hash_fn)
         # EAGLE as vLLM 0.33's scheduler sets it up: lookahead block hashes (the request
@@ -191,6 +309,9 @@ class VllmManager:
         started = time.perf_counter()
         blocks, num_tokens, junction = self.kv.get_computed_blocks(request)
         self.manager_seconds += time.perf_counter() - started
+        if self.prefix_replay_tokens and 0 < num_tokens <= self.prefix_replay_tokens:
+            # vLLM's scheduler: replaying the whole hit would save nothing
+            blocks, num_tokens = self.kv.empty_kv_cache_blocks, 0
         # vLLM's scheduler stores the junction on the request right after the lookup.
         request.shared_prefix_boundary = junction
         return VllmHit(req_id, num_tokens, blocks, junction)
@@ -222,6 +343,13 @@ class VllmManager:
         # Synchronous scheduling: the step's tokens are computed before the next step.
         request.num_computed_tokens += num_hit + num_new_tokens
         return result
+
+    def align_prefill_chunk(self, req_id: str, num_new_tokens: int, hit: VllmHit | None = None,
+                            *, max_chunk_tokens: int | None = None) -> int:
+        """Chunks are not clipped: no recurrent groups here (the scheduler asks every
+        manager; vLLM's Mamba "align" clipping lives in its scheduler, not in the manager)."""
+        del req_id, hit, max_chunk_tokens
+        return num_new_tokens
 
     def free(self, req_id: str) -> None:
         """Preemption: free all blocks, reset progress (vLLM ``_preempt_request``)."""

@@ -266,6 +266,9 @@ class KVCacheManager:
             tables, num_tokens, extra = self.coordinator.find_longest_hit(
                 state.block_hashes, limit)
             junction = num_tokens + extra if extra else 0
+            replay = self.coordinator.replay_tokens
+            if replay and 0 < num_tokens <= replay:  # bounded-replay: recomputing it all
+                tables, num_tokens = [[] for _ in range(num_groups)], 0
             fa_tokens, missing = num_tokens, False
             if self.recompute:
                 tables, num_tokens, fa_tokens, missing = self.coordinator.plan_recompute(
@@ -381,6 +384,8 @@ class KVCacheManager:
             else 0
         if hit is not None:
             self.stats.record_bridge(hit.num_bridge_tokens)
+            if num_hit and self.coordinator.replay_tokens:  # bounded-replay's window
+                self.stats.record_bridge(min(num_hit, self.coordinator.replay_tokens))
 
     def _cap_len(self, num_tokens: int) -> int:
         max_len = self.config.max_model_len

@@ -25,7 +25,13 @@ from hybridkv.managers.recurrent import RecurrentStateManager, align_recurrent_c
 from hybridkv.policies import RetentionPolicy
 from hybridkv.pool import BlockPool
 from hybridkv.siblings import SiblingBatch
-from hybridkv.specs import FullAttentionSpec, LayerSpec, SlidingWindowSpec, is_prefix_cacheable
+from hybridkv.specs import (
+    CompressorStateSpec,
+    FullAttentionSpec,
+    LayerSpec,
+    SlidingWindowSpec,
+    is_prefix_cacheable,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +84,9 @@ class HybridCoordinator:
                 group, pool, retention, alignment_tokens=self.alignment_tokens,
                 use_eagle=False,
             ))
+        self.replayed_group_ids, self.replay_tokens = _replayed_windows(config, retention)
+        """``bounded-replay``: attention-window groups left out of prefix caching, and the
+        window the hit's end replays (0: none)."""
         self.spec_groups = self._make_spec_groups()
         self._is_hybrid = len(self.managers) > 1
         for sg in self.spec_groups:  # siblings sharing a spec share the EAGLE flag
@@ -131,8 +140,9 @@ class HybridCoordinator:
     def _make_spec_groups(self) -> list[SpecGroup]:
         by_spec: dict[LayerSpec, list[GroupId]] = {}
         for manager in self.managers:
-            if not is_prefix_cacheable(manager.spec):
-                continue  # V4.1 ring buffers: never looked up (vLLM skips them too)
+            if not is_prefix_cacheable(manager.spec) or \
+                    manager.group_id in self.replayed_group_ids:
+                continue  # V4.1 ring buffers, bounded-replay windows: never looked up
             by_spec.setdefault(manager.spec, []).append(manager.group_id)
         groups = [SpecGroup(spec, tuple(ids), MANAGER_FOR_SPEC[type(spec)])
                   for spec, ids in by_spec.items()]
@@ -333,6 +343,8 @@ class HybridCoordinator:
             step_manager.note_computed(req_id, num_tokens)
         for unit in self._units:
             manager = unit.members[0] if isinstance(unit, SiblingBatch) else unit
+            if manager.group_id in self.replayed_group_ids:
+                continue  # bounded-replay: rebuilt after each hit, never hashed
             cacheable = num_tokens
             if self.retention.clamps_to_alignment:
                 cacheable = aligned
@@ -412,6 +424,27 @@ def _bridge_tokens(config: CacheConfig) -> int | None:
         spread += spec.sliding_window - 1
     align = config.alignment_tokens
     return -(-span // align) * align
+
+
+def _replayed_windows(config: CacheConfig, retention: RetentionPolicy,
+                      ) -> tuple[frozenset[GroupId], int]:
+    """Groups ``bounded-replay`` keeps out of prefix caching (sliding-window attention,
+    not window-like state) and the replayed window: their largest window.
+
+    deepseek-v4-flash: the two ``sliding_window_mla`` groups, window 128."""
+    if not retention.replays_attention_windows:
+        return frozenset(), 0
+    windows = {g.group_id: g.spec.sliding_window for g in config.groups
+               if isinstance(g.spec, SlidingWindowSpec)
+               and not isinstance(g.spec, CompressorStateSpec)}
+    if not windows:
+        raise ConfigError("policy", retention.name,
+                          "needs sliding-window attention groups to replay; this model has none")
+    if len(windows) == len(config.groups):
+        raise ConfigError("policy", retention.name,
+                          "needs a group that reads the whole prefix (full or compressed "
+                          "attention) to hit from; this model has only windows")
+    return frozenset(windows), max(windows.values())
 
 
 def _eagle_group_ids(config: CacheConfig) -> set[int]:

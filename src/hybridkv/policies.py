@@ -11,6 +11,9 @@ name with ``make_retention_policy``:
 ``latest``                only the latest prompt boundary + shared-prefix junction (vLLM default)
 ``pin:T``                 ``prepend`` + a pinned tier: window blocks of the last T tokens at each
                           window drop and a finished request's hashed blocks (closed vLLM #40676)
+``bounded-replay``        ``latest``, but attention windows are never cached: a hit comes from the
+                          other groups, its last window is recomputed, hits ≤ the window are
+                          dropped (vLLM 0.33 DeepSeek-V4.1 ``swa_bounded_replay``)
 ========================  ===================================================================
 
 Mask arithmetic, worked (full bs 32 + window bs 8, w 8 → ``need`` 1 tail block, ``A`` 32):
@@ -33,7 +36,8 @@ from hybridkv.block import Block
 from hybridkv.errors import ConfigError
 from hybridkv.pool import FreeTier
 
-POLICY_NAMES = ("dense", "reachable", "prepend", "latest", "interval:N", "pin:T")
+POLICY_NAMES = ("dense", "reachable", "prepend", "latest", "interval:N", "pin:T",
+                "bounded-replay")
 CORE_POLICIES = ("dense", "reachable", "prepend", "latest", "interval:32768", "pin:32768")
 
 
@@ -82,6 +86,10 @@ class RetentionPolicy(ABC):
     """Tier of freed blocks without a hash (they can never produce a hit)."""
     cached_tier = FreeTier.TAIL
     """Tier of freed hashed blocks when their request ends (finish or preemption)."""
+    replays_attention_windows = False
+    """``bounded-replay``: sliding-window attention groups leave prefix caching; the
+    coordinator drops hits no longer than their window and counts the replayed window as
+    recomputed prefill."""
     pin_drop_tokens: int | None = None
     """When set, hashed window blocks ending within this many tokens of a window drop go to
     the pinned tier (older ones to the tail)."""
@@ -192,6 +200,25 @@ class LatestPolicy(PrependPolicy):
         return None
 
 
+class BoundedReplayPolicy(LatestPolicy):
+    """vLLM 0.33's ``swa_bounded_replay`` (on by default for DeepSeek-V4.1), for any model.
+
+    Sliding-window attention groups (``sliding_window``, ``sliding_window_mla``) are never
+    hashed nor looked up; a hit is what the other groups serve, aligned as usual. The hit's
+    last ``W`` tokens (W = the window, 128 on V4) are recomputed to rebuild the window KV,
+    so a hit of ``<= W`` tokens saves nothing and is dropped. Other window-like groups
+    (compressor state) keep ``latest`` retention, as vLLM keeps them cached. Exact only on
+    models where the layers after the last KV-source layer read just the trailing window
+    (V4.1); elsewhere it reproduces vLLM's hit accounting, not exact KV.
+
+    Worked example (W 128, alignment 256): the full groups hit 512 → hit 512, tokens
+    [384, 512) recomputed; a full-group hit of 0 or of 256 > 128 stays as it is.
+    """
+
+    name = "bounded-replay"
+    replays_attention_windows = True
+
+
 class PinPolicy(PrependPolicy):
     """``prepend`` plus a pinned free tier, used only after the free queue is empty."""
 
@@ -221,6 +248,7 @@ def make_retention_policy(name: str) -> RetentionPolicy:
     simple: dict[str, type[RetentionPolicy]] = {
         "dense": DensePolicy, "reachable": ReachablePolicy,
         "prepend": PrependPolicy, "latest": LatestPolicy,
+        "bounded-replay": BoundedReplayPolicy,
     }
     if text in simple:
         return simple[text]()

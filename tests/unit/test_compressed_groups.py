@@ -13,6 +13,7 @@ from hybridkv.sim.model import load_model, num_blocks_for_memory, parse_model
 from hybridkv.specs import (
     CompressedAttentionSpec,
     CompressorStateSpec,
+    FullAttentionSpec,
     RingBufferSpec,
     SlidingWindowMLASpec,
     page_bytes,
@@ -180,3 +181,59 @@ def test_state_tail_and_compressed_prefix_decide_the_hit() -> None:
     manager.pool._evict(tables[comp][2])
     assert probe()[0] == 32
     manager.check_invariants()
+
+
+def _v4_replay(num_blocks: int = 400, policy: str = "bounded-replay") -> KVCacheManager:
+    layers = [SlidingWindowMLASpec(4, 1, 8), CompressedAttentionSpec(16, tokens_per_state=4,
+              entry_bytes=1), CompressorStateSpec(2, 1, 8)]
+    return KVCacheManager(CacheConfig.from_layers(layers, num_blocks), policy)
+
+
+def test_bounded_replay_keeps_attention_windows_out_and_drops_short_hits() -> None:
+    manager = _v4_replay()
+    kinds = [g.spec.kind for g in manager.config.groups]
+    swa, state = kinds.index("sliding_window_mla"), kinds.index("compressor_state")
+    assert manager.coordinator.replay_tokens == 8
+    assert manager.coordinator.replayed_group_ids == frozenset({swa})
+    prompt = list(range(100))
+    assert _run(manager, "a", prompt) == 0
+    assert manager.pool.num_cached_blocks(swa) == 0     # the window is never hashed
+    assert manager.pool.num_cached_blocks(state) > 0    # compressor state keeps `latest`
+    manager.add_request("b", prompt)
+    hit = manager.find_longest_hit("b")
+    assert hit.num_tokens == 96 and hit.blocks[swa] == ()
+    assert manager.allocate_slots("b", 100 - 96, hit) is not None
+    table = manager.get_block_ids("b")[swa]
+    # nulls below the window of token 96 (skipped 89 → 22 blocks), real blocks from there
+    assert table[:22] == (0,) * 22 and all(table[22:])
+    assert manager.stats.bridge_tokens == 8             # the replayed window
+    manager.remove_request("b")
+    manager.check_invariants()
+    # a hit no longer than the window is dropped (alignment 16 > 8, so shrink the window)
+    short = KVCacheManager(CacheConfig.from_layers(
+        [SlidingWindowMLASpec(4, 1, 16), CompressedAttentionSpec(16, tokens_per_state=4,
+                                                                 entry_bytes=1)], 100),
+        "bounded-replay")
+    assert _run(short, "a", list(range(20))) == 0
+    assert _run(short, "b", list(range(20))) == 0      # 16 <= 16: replaying it all → 0
+    assert _run(short, "c", list(range(40))) == 0       # 16 again
+    assert _run(short, "d", list(range(40))) == 32      # 32 > 16: kept, [16, 32) replayed
+
+
+def test_latest_differs_from_bounded_replay_only_in_windows() -> None:
+    prompt = list(range(100))
+    latest, replay = _v4_replay(policy="latest"), _v4_replay()
+    for manager in (latest, replay):
+        _run(manager, "a", prompt)
+    kinds = [g.spec.kind for g in latest.config.groups]
+    swa = kinds.index("sliding_window_mla")
+    assert latest.pool.num_cached_blocks(swa) > 0 and replay.pool.num_cached_blocks(swa) == 0
+    assert _run(latest, "b", prompt) == _run(replay, "b", prompt) == 96
+
+
+def test_bounded_replay_needs_a_window_and_a_prefix_group() -> None:
+    with pytest.raises(ConfigError, match="sliding-window attention"):
+        KVCacheManager(CacheConfig.from_layers([FullAttentionSpec(4, 1)], 10), "bounded-replay")
+    with pytest.raises(ConfigError, match="only windows"):
+        KVCacheManager(CacheConfig.from_layers([SlidingWindowMLASpec(4, 1, 8)], 10),
+                       "bounded-replay")

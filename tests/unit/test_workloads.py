@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from hybridkv import ConfigError
@@ -148,3 +150,22 @@ def test_make_workload_converts_strings_and_rejects_unknowns() -> None:
     assert retention_microbench_scenarios(num_prompts=1, prompt_tokens=10,
                                           fractions=(0.25,)).keys() == {"0.25"}
     assert len(DEFAULT_FRACTIONS) == 10
+
+
+def test_long_context_grows_each_session_to_about_a_million_tokens() -> None:
+    from hybridkv.sim.workloads import make_workload
+
+    trace = make_workload("long-context")
+    assert len(trace.requests) == 16 * 8
+    lengths = {r.session_id: r.input_length for r in trace.requests}
+    assert set(lengths.values()) == {131072 + 7 * 126976} == {1_019_904}
+    by_session: dict[str, list[tuple[int, ...]]] = {}
+    for request in trace.requests:
+        by_session.setdefault(str(request.session_id), []).append(request.block_ids)
+    for turns in by_session.values():
+        for earlier, later in itertools.pairwise(turns):
+            assert later[: len(earlier)] == earlier and len(later) == len(earlier) + 248
+    firsts = [turns[0][0] for turns in by_session.values()]
+    assert len(set(firsts)) == 16  # sessions share nothing
+    with pytest.raises(ConfigError, match="last prompt"):
+        make_workload("long-context", num_turns=200)

@@ -206,9 +206,8 @@ class GroupManager(ABC):
     def add_hit_blocks(self, req_id: ReqId, hit_blocks: Sequence[Block], num_hit_tokens: int,
                        ) -> None:
         """Start a table from a prefix hit: touch what is still in the window."""
-        num_skipped = min(self.num_skipped_tokens(num_hit_tokens) // self.block_size,
-                          len(hit_blocks))
-        kept = hit_blocks[num_skipped:]
+        num_skipped = self.num_skipped_tokens(num_hit_tokens) // self.block_size
+        kept = hit_blocks[num_skipped:]  # none for a group outside caching (bounded-replay)
         self.pool.touch(kept)
         table = [self.pool.null_block] * num_skipped
         table.extend(kept)

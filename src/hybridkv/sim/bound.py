@@ -73,6 +73,7 @@ from hybridkv.config import CacheConfig
 from hybridkv.hashing import encode_token_ids
 from hybridkv.sim.ceiling import HitTotals
 from hybridkv.sim.trace import Trace, TraceRequest, expand_prompt
+from hybridkv.specs import FullAttentionSpec
 
 _NEVER = 1 << 62
 _MASK = 2**64 - 1
@@ -384,7 +385,8 @@ class BoundShape:
     @classmethod
     def of(cls, config: CacheConfig) -> BoundShape | None:
         """``None`` for a model without full attention (no chain to bound)."""
-        full = [g.spec.block_size for g in config.groups if g.spec.kind == "full_attention"]
+        full = [g.spec.block_size for g in config.groups  # compressed attention counts too
+                if isinstance(g.spec, FullAttentionSpec)]
         if not full:
             return None
         a = config.alignment_tokens
