@@ -30,6 +30,7 @@ from hybridkv.policies import CORE_POLICIES
 
 if TYPE_CHECKING:
     from hybridkv.engine.attention import AttentionFn
+    from hybridkv.engine.gated_delta import Recurrence
     from hybridkv.engine.model import HybridDecoder
     from hybridkv.engine.runner import RunResult
     from hybridkv.sim.scheduler import SchedRequest
@@ -143,11 +144,15 @@ def compare_runs(baseline: RunResult, cached: RunResult, *, policy: str,
 def run_verify(model: HybridDecoder, workload: Sequence[SchedRequest], *,
                policies: Sequence[str] = DEFAULT_POLICIES, eagle: bool = False,
                settings: VerifySettings | None = None,
-               attention: AttentionFn | None = None) -> VerifyReport:
+               attention: AttentionFn | None = None,
+               recurrence: Recurrence | None = None) -> VerifyReport:
     """Run ``workload`` without caching and under each policy (and EAGLE mode when
-    ``eagle``); compare every cached run with the uncached one."""
+    ``eagle``); compare every cached run with the uncached one. ``recurrence`` is the
+    Gated DeltaNet path of ``linear_attention`` layers (default: the token-by-token
+    reference)."""
     from hybridkv.engine.attention import reference_attention
     from hybridkv.engine.model_config import cache_config_for_model
+    from hybridkv.engine.recurrent import gated_delta_reference
     from hybridkv.engine.runner import EngineRunner, RunOptions
 
     s = settings or VerifySettings()
@@ -161,7 +166,8 @@ def run_verify(model: HybridDecoder, workload: Sequence[SchedRequest], *,
             enable_caching=caching, use_eagle=use_eagle, max_num_batched_tokens=s.chunk_size)
         options = RunOptions(policy=policy, chunk_size=s.chunk_size, max_running=s.max_running,
                              record_logits=True, poison=True)
-        return EngineRunner(model, cache_config, options, attention=attend).run(workload)
+        return EngineRunner(model, cache_config, options, attention=attend,
+                            recurrence=recurrence or gated_delta_reference).run(workload)
 
     baseline = run("latest", False, False)
     outcomes: list[PolicyOutcome] = []
