@@ -28,15 +28,16 @@ Probing is cheap: an order keeps each candidate's last probed hit and trusts it 
 candidate reaches the top of the order; only then is it looked up again (the lookup the
 admission needs anyway), and if the fresh value no longer beats the runner-up's cached one
 the next candidate is verified instead (lazy greedy selection). A candidate is probed when
-it first becomes a candidate, when it is verified at the top, and never otherwise.
+it first becomes a candidate, when it is verified at the top, and when new cached blocks
+may have extended its hit (``RankedOrder``).
 """
 
 from __future__ import annotations
 
 import bisect
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from hybridkv.errors import ConfigError
 
@@ -44,8 +45,18 @@ if TYPE_CHECKING:
     from hybridkv.cache import PrefixHit
     from hybridkv.sim.scheduler import SchedRequest
 
-ProbeFn = Callable[["SchedRequest"], "PrefixHit"]
-"""Looks a candidate's usable hit up now (registering it with the manager if needed)."""
+class Probe(Protocol):
+    """What an order may ask the cache about a candidate (the scheduler provides it)."""
+
+    def hit(self, request: SchedRequest) -> PrefixHit:
+        """The candidate's usable hit now (``KVCacheManager.find_longest_hit``)."""
+
+    def may_extend(self, request: SchedRequest, num_tokens: int) -> bool:
+        """``KVCacheManager.may_extend``: False ⇒ no hit longer than ``num_tokens``."""
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """``KVCacheManager.lookup_version`` now."""
 
 
 class AdmissionOrder(ABC):
@@ -54,16 +65,17 @@ class AdmissionOrder(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def choose(self, candidates: Sequence[SchedRequest], probe: ProbeFn, step: int,
+    def choose(self, candidates: Sequence[SchedRequest], probe: Probe,
                ) -> tuple[SchedRequest, PrefixHit | None]:
-        """The request to admit and, when the order looked it up in this call, its fresh
-        hit (valid: nothing mutates the cache between ``choose`` and the admission)."""
+        """The request to admit and, when the order has it, its current hit (valid:
+        nothing mutates the cache between ``choose`` and the admission). ``version`` is the
+        manager's ``lookup_version`` now: a hit probed at an equal version is current."""
 
-    def on_finished(self, request: SchedRequest, step: int) -> None:
-        """A request finished (session orders remember when)."""
+    def on_finished(self, request: SchedRequest, step: int) -> None:  # noqa: B027
+        """A request finished (session orders remember when); nothing by default."""
 
-    def forget(self, request: SchedRequest) -> None:
-        """The request was admitted: drop per-request state."""
+    def forget(self, request: SchedRequest) -> None:  # noqa: B027
+        """The request was admitted: drop per-request state; nothing by default."""
 
 
 class FirstComeOrder(AdmissionOrder):
@@ -71,7 +83,7 @@ class FirstComeOrder(AdmissionOrder):
 
     name = "fcfs"
 
-    def choose(self, candidates: Sequence[SchedRequest], probe: ProbeFn, step: int,
+    def choose(self, candidates: Sequence[SchedRequest], probe: Probe,
                ) -> tuple[SchedRequest, PrefixHit | None]:
         return candidates[0], None
 
@@ -81,9 +93,18 @@ class RankedOrder(AdmissionOrder):
 
     The ranking is kept while the scheduler hands over the same candidate list (it builds
     a new list only when the queue changes), so a step whose admission is refused again
-    costs one verification, not a pass over the candidates. Probed scores are verified
-    lazily: the top candidate is looked up afresh; if its fresh score still beats the
-    runner-up's cached one it is chosen, else it is re-ranked and the next one verified.
+    costs at most one lookup, not a pass over the candidates.
+
+    Probed scores are cached with the manager's ``lookup_version`` (epoch, hashes ever
+    indexed) and kept honest both ways:
+
+    - *growth* (a running request cached blocks a candidate can use): when the candidate
+      list is rebuilt, a candidate probed before new hashes were indexed is looked up
+      again only if ``may_extend`` says the full-attention block right after its cached
+      hit is now cached (a few dictionary probes); otherwise its hit cannot have grown;
+    - *shrinkage* (evictions): lazy verification: the top candidate is looked up again
+      unless nothing changed since its probe; if its fresh score still beats the
+      runner-up's cached one it is chosen, else it is re-ranked and the next one verified.
     """
 
     probes: ClassVar[bool] = False
@@ -93,7 +114,8 @@ class RankedOrder(AdmissionOrder):
         self._candidates: Sequence[SchedRequest] | None = None
         self._ranked: list[tuple[float, int]] = []
         """(-score, candidate index), ascending: best first."""
-        self._cached_hit: dict[str, int] = {}
+        self._cached: dict[str, tuple[tuple[int, int], PrefixHit]] = {}
+        """Request id → (lookup version, hit) of its last probe."""
         self.num_probes = 0
 
     @abstractmethod
@@ -101,33 +123,41 @@ class RankedOrder(AdmissionOrder):
         """Larger is admitted first; ``hit_tokens`` is the (cached) usable hit when the
         order probes, else 0."""
 
-    def _hit(self, request: SchedRequest, probe: ProbeFn) -> int:
-        value = self._cached_hit.get(request.req_id)
-        if value is None:
-            value = self._cached_hit[request.req_id] = probe(request).num_tokens
-            self.num_probes += 1
-        return value
+    def _probe(self, request: SchedRequest, probe: Probe, version: tuple[int, int],
+               ) -> PrefixHit:
+        hit = probe.hit(request)
+        self.num_probes += 1
+        self._cached[request.req_id] = (version, hit)
+        return hit
 
-    def choose(self, candidates: Sequence[SchedRequest], probe: ProbeFn, step: int,
+    def _current_tokens(self, request: SchedRequest, probe: Probe,
+                        version: tuple[int, int]) -> int:
+        """The cached hit, looked up again if it may have grown since."""
+        entry = self._cached.get(request.req_id)
+        if entry is None or (entry[0][1] != version[1]
+                             and probe.may_extend(request, entry[1].num_tokens)):
+            return self._probe(request, probe, version).num_tokens
+        return entry[1].num_tokens
+
+    def choose(self, candidates: Sequence[SchedRequest], probe: Probe,
                ) -> tuple[SchedRequest, PrefixHit | None]:
+        version = probe.version
         if candidates is not self._candidates:
             self._candidates = candidates
             self._ranked = sorted(
-                (-self.score(r, self._hit(r, probe) if self.probes else 0), i)
+                (-self.score(r, self._current_tokens(r, probe, version) if self.probes
+                             else 0), i)
                 for i, r in enumerate(candidates))
         ranked = self._ranked
         if not self.probes:
             return candidates[ranked[0][1]], None
-        verified: dict[int, PrefixHit] = {}
         while True:
             index = ranked[0][1]
             request = candidates[index]
-            hit = verified.get(index)
-            if hit is not None:  # fresh already (nothing mutated since): it wins
+            probed_at, hit = self._cached[request.req_id]
+            if probed_at == version:  # exact now: it beats every cached runner-up
                 return request, hit
-            hit = verified[index] = probe(request)
-            self.num_probes += 1
-            self._cached_hit[request.req_id] = hit.num_tokens
+            hit = self._probe(request, probe, version)
             entry = (-self.score(request, hit.num_tokens), index)
             if len(ranked) == 1 or entry <= ranked[1]:
                 ranked[0] = entry
@@ -136,22 +166,27 @@ class RankedOrder(AdmissionOrder):
             bisect.insort(ranked, entry)
 
     def forget(self, request: SchedRequest) -> None:
-        self._cached_hit.pop(request.req_id, None)
+        self._cached.pop(request.req_id, None)
 
 
 class LongestHitOrder(RankedOrder):
     """Longest usable hit first.
 
-    >>> from types import SimpleNamespace
+    >>> from types import SimpleNamespace as NS
     >>> hits = {"a": 0, "b": 512, "c": 256}
+    >>> probe = NS(hit=lambda r: NS(num_tokens=hits[r.req_id]), version=(1, 0))
     >>> order = LongestHitOrder()
-    >>> probe = lambda r: SimpleNamespace(num_tokens=hits[r.req_id])
-    >>> reqs = [SimpleNamespace(req_id=k) for k in "abc"]
-    >>> order.choose(reqs, probe, 1)[0].req_id
+    >>> reqs = [NS(req_id=k) for k in "abc"]
+    >>> order.choose(reqs, probe)[0].req_id
     'b'
-    >>> hits["b"] = 0  # evicted: the cached 512 is verified, demoted, and "c" wins
-    >>> order.choose(reqs, probe, 2)[0].req_id
+    >>> hits["b"] = 0  # evicted, but the lookup version did not move: not looked at again
+    >>> order.choose(reqs, probe)[0].req_id
+    'b'
+    >>> probe.version = (2, 0)  # an allocation: "b" verified, demoted; "c" verified, wins
+    >>> order.choose(reqs, probe)[0].req_id
     'c'
+    >>> order.num_probes  # a, b, c once each, then b and c again
+    5
     """
 
     name = "hit"
@@ -164,12 +199,12 @@ class LongestHitOrder(RankedOrder):
 class SessionOrder(RankedOrder):
     """Session continuity: the most recently finished session's next request first.
 
-    >>> from types import SimpleNamespace
+    >>> from types import SimpleNamespace as NS
     >>> order = SessionOrder()
-    >>> a, b, c = (SimpleNamespace(req_id=k, session_id=k) for k in "abc")
-    >>> order.on_finished(SimpleNamespace(session_id="c"), 7)
-    >>> order.on_finished(SimpleNamespace(session_id="b"), 9)
-    >>> order.choose([a, b, c], None, 10)[0].req_id  # type: ignore[arg-type]
+    >>> a, b, c = (NS(req_id=k, session_id=k) for k in "abc")
+    >>> order.on_finished(NS(session_id="c"), 7)
+    >>> order.on_finished(NS(session_id="b"), 9)
+    >>> order.choose([a, b, c], NS(version=(0, 0)))[0].req_id
     'b'
     """
 
@@ -190,31 +225,42 @@ class SessionOrder(RankedOrder):
 
 
 class StarvationGuard:
-    """Bounded overtaking of the oldest candidate.
+    """Bounded overtaking: no candidate is passed over more than ``bound`` times.
 
-    ``mode`` "head": only the first candidate's count matters ... (experiment)
+    Each admission increments ``num_overtaken`` of every candidate ahead of the admitted
+    one in first-come order; a candidate whose count reached ``bound`` is *due* and is
+    admitted before the order is asked again (the first-come due one first; a refusal of
+    its allocation ends the step's admissions, as under ``fcfs``).
+
+    The bound (the scheduler uses ``bound = max_running``): while a request is eligible in
+    the window, at most ``bound`` requests that came after it are admitted before it, so it
+    is admitted no later than first-come order would admit it, delayed by at most
+    ``max_running`` admissions — one turnover of the running set. It is a bound on
+    *admissions*; in steps it is the time those admissions take, which the cache-aware
+    orders shorten (their admissions are the ones with the longest hits).
+
+    >>> from types import SimpleNamespace
+    >>> guard = StarvationGuard(2)
+    >>> a, b, c = (SimpleNamespace(req_id=k, num_overtaken=0) for k in "abc")
+    >>> guard.on_admitted([a, b, c], c); guard.on_admitted([a, b, c], b)
+    >>> (a.num_overtaken, b.num_overtaken, guard.due([a, b, c]) is a)
+    (2, 1, True)
     """
 
-    def __init__(self, bound: int, mode: str = "head") -> None:
+    def __init__(self, bound: int) -> None:
         self.bound = bound
-        self.mode = mode
         self._due_for: Sequence[SchedRequest] | None = None
         self._due: SchedRequest | None = None
 
     def due(self, candidates: Sequence[SchedRequest]) -> SchedRequest | None:
-        if self.mode == "head":
-            head = candidates[0]
-            return head if head.num_overtaken >= self.bound else None
+        """The first candidate passed over ``bound`` times (cached per candidate list:
+        counts change only by admissions, which make a new list)."""
         if candidates is not self._due_for:
             self._due_for = candidates
             self._due = next((r for r in candidates if r.num_overtaken >= self.bound), None)
         return self._due
 
     def on_admitted(self, candidates: Sequence[SchedRequest], admitted: SchedRequest) -> None:
-        if self.mode == "head":
-            if candidates[0] is not admitted:
-                candidates[0].num_overtaken += 1
-            return
         for request in candidates:
             if request is admitted:
                 return

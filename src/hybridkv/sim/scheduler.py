@@ -105,8 +105,7 @@ class Scheduler:
         self.admission = make_admission_order(admission) if isinstance(admission, str) \
             else admission
         self._is_fcfs = self.admission.name == "fcfs"
-        import os
-        self.guard = StarvationGuard(int(os.environ.get('ADM_K', max_running)), os.environ.get('ADM_MODE', 'head'))
+        self.guard = StarvationGuard(max_running)
         self.manager = manager
         self.max_running = max_running
         self.chunk_size = chunk_size
@@ -221,10 +220,18 @@ class Scheduler:
                                      block_hashes=hashes)
             self._registered.add(req_id)
 
-    def _probe(self, request: SchedRequest) -> PrefixHit:
-        """The usable hit of a candidate now (the manager's public lookup)."""
+    # The ``admission.Probe`` an order asks about candidates (the manager's public lookup).
+    def hit(self, request: SchedRequest) -> PrefixHit:
         self._register(request)
         return self.manager.find_longest_hit(request.req_id)
+
+    def may_extend(self, request: SchedRequest, num_tokens: int) -> bool:
+        self._register(request)
+        return self.manager.may_extend(request.req_id, num_tokens)
+
+    @property
+    def version(self) -> tuple[int, int]:
+        return self.manager.lookup_version
 
     def _admit_next(self, budget: int) -> ScheduledChunk | None:
         hit: PrefixHit | None = None
@@ -233,13 +240,7 @@ class Scheduler:
             request = self._next_eligible()
         else:
             candidates = self._current_candidates()
-            if not candidates:
-                return None
-            due = self.guard.due(candidates)
-            if due is not None:
-                request = due
-            else:
-                request, hit = self.admission.choose(candidates, self._probe, self.num_steps)
+            request, hit = self._choose(candidates)
         if request is None:
             return None
         manager = self.manager
@@ -262,13 +263,27 @@ class Scheduler:
             request.first_hit_tokens = hit.num_tokens
             request.admitted_step = self.num_steps
             if request.session_id is not None:
-                self._unadmitted[request.session_id].popleft()
+                unadmitted = self._unadmitted[request.session_id]
+                if unadmitted[0] is request:
+                    unadmitted.popleft()
+                else:  # a phase barrier let a later request of the session go first
+                    unadmitted.remove(request)
         request.num_admissions += 1
         if candidates:
             self.guard.on_admitted(candidates, request)
             self.admission.forget(request)
         return ScheduledChunk(req_id, hit.num_tokens, num_new, hit.num_tokens,
                               hit.num_tokens + num_new == num_tokens)
+
+    def _choose(self, candidates: list[SchedRequest],
+                ) -> tuple[SchedRequest | None, PrefixHit | None]:
+        """The starvation guard's due candidate, else the admission order's choice."""
+        if not candidates:
+            return None, None
+        due = self.guard.due(candidates)
+        if due is not None:
+            return due, None
+        return self.admission.choose(candidates, self)
 
     def _current_candidates(self) -> list[SchedRequest]:
         """The eligible waiting requests of the look-ahead window, in queue order: the
@@ -306,9 +321,10 @@ class Scheduler:
             if request.eligible_step is not None or request.phase > lowest_phase:
                 continue
             session = request.session_id
-            if session is not None and (session in self._active_session
-                                        or self._unadmitted[session][0] is not request):
-                continue  # re-checked when its predecessor finishes
+            if session is not None and (
+                    session in self._active_session
+                    or self._session_head(session, lowest_phase) is not request):
+                continue  # re-checked when its session's running request finishes
             request.eligible_step = self.num_steps
         self._to_check = []
 
@@ -331,6 +347,11 @@ class Scheduler:
                 continue
             return request
         return None
+
+    def _session_head(self, session: str, lowest_phase: int) -> SchedRequest | None:
+        """The session's first unadmitted request whose phase is open (the one
+        ``_next_eligible`` would reach first)."""
+        return next((r for r in self._unadmitted[session] if r.phase <= lowest_phase), None)
 
     # ---------------------------------------------------------------- update
     def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[str]:
@@ -363,9 +384,11 @@ class Scheduler:
         self._registered.discard(request.req_id)
         if request.session_id is not None:
             self._active_session.pop(request.session_id, None)
-            unadmitted = self._unadmitted[request.session_id]
-            if unadmitted:
-                self._to_check.append(unadmitted[0])
+            lowest_phase = min((p for p, n in self._unfinished_by_phase.items() if n > 0),
+                               default=0)
+            head = self._session_head(request.session_id, lowest_phase)
+            if head is not None:
+                self._to_check.append(head)
         self._unfinished_by_phase[request.phase] -= 1
         if self._unfinished_by_phase[request.phase] == 0:
             self._to_check.extend(self.waiting)  # a phase barrier may have opened
