@@ -23,6 +23,7 @@ from hybridkv.sim.commands import (
     cmd_replay,
     cmd_sweep,
 )
+from hybridkv.sim.report import REPORT_HELP
 
 
 def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hybridkv", description="Prefix-cache replay and verification for hybrid models")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    replay = sub.add_parser("replay", help="replay a trace or workload under retention policies")
+    replay = sub.add_parser("replay", help="replay a trace or workload under retention policies",
+                            description=REPORT_HELP,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_source_arguments(replay)
     _add_pool_arguments(replay, many=False)
     replay.add_argument("--policy", default="core",

@@ -161,7 +161,7 @@ def test_cli_crosses_admission_orders_with_policies(tmp_path: Path,
     assert [(r["policy"], r["admission"]) for r in runs] == [
         ("latest", "fcfs"), ("prepend", "fcfs"), ("latest", "hit"), ("prepend", "hit")]
     assert all(set(r["wait_steps"]) == {"p50", "p99", "max"} for r in runs)
-    assert "wait p50/p99/max" in capsys.readouterr().out
+    assert "wait: steps from eligibility" in capsys.readouterr().out
     assert main([*argv[:-5], "--admission", "bogus", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("hybridkv replay: error: --admission='bogus'") and "\n" not in err
