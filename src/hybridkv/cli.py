@@ -41,7 +41,7 @@ def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=None,
                         help="token budget per step (default 8192)")
     parser.add_argument("--hash-algo", choices=("sha256", "xxhash"), default="sha256")
-    parser.add_argument("--eagle", action="store_true", help="EAGLE/MTP drop mode")
+    parser.add_argument("--eagle", action="store_true", help="EAGLE/MTP (lookahead block hashes)")
     parser.add_argument("--admission", default="fcfs",
                         help="admission order(s), comma-separated or 'all': "
                         f"{', '.join(ORDERS)} (default fcfs: the protocol)")

@@ -224,7 +224,8 @@ class _PromptHasher:
     def for_request(self, request: TraceRequest,
                     ) -> Callable[[Sequence[int]], list[BlockHash] | None] | None:
         if request.token_ids is not None or request.token_id_ranges or \
-                not request.trace_block_size or request.trace_block_size % self._hasher.block_size:
+                not request.trace_block_size or request.trace_block_size % self._hasher.block_size \
+                or self._hasher.lookahead_tokens:  # EAGLE lookahead: the manager hashes
             return None
 
         def hash_prompt(tokens: Sequence[int]) -> list[BlockHash] | None:
