@@ -520,6 +520,10 @@ class KVCacheManager:
                                              f"{req_id!r}, which is not running")
                 if manager.num_cached_blocks.get(req_id, 0) > len(table):
                     raise InvariantViolation(f"{req_id!r}: more cached than held blocks")
+                if not manager.covers_computed_tokens:  # a ring: one block, rewritten
+                    if len(table) > 1:
+                        raise InvariantViolation(f"{req_id!r}: ring of {len(table)} blocks")
+                    continue
                 covered = len(table) * manager.block_size
                 if covered < min(state.num_computed_tokens,
                                  self._cap_len(state.token_ids.num_tokens)):

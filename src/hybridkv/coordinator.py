@@ -84,6 +84,9 @@ class HybridCoordinator:
                 group, pool, retention, alignment_tokens=self.alignment_tokens,
                 use_eagle=False,
             ))
+        self._covering = [m for m in self.managers if m.covers_computed_tokens] or \
+            self.managers[:1]
+        """Managers whose table length bounds the covered slots (not V4.1's ring)."""
         self.replayed_group_ids, self.replay_tokens = _replayed_windows(config, retention)
         """``bounded-replay``: attention-window groups left out of prefix caching, and the
         window the hit's end replays (0: none)."""
@@ -316,7 +319,7 @@ class HybridCoordinator:
                 else:
                     new_blocks.append(unit.allocate_new_blocks(req_id, num_tokens))
         self._covered_tokens[req_id] = min(len(m.tables[req_id]) * m.block_size
-                                           for m in self.managers)
+                                           for m in self._covering)
         return new_blocks
 
     def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:

@@ -237,3 +237,38 @@ def test_bounded_replay_needs_a_window_and_a_prefix_group() -> None:
     with pytest.raises(ConfigError, match="only windows"):
         KVCacheManager(CacheConfig.from_layers([SlidingWindowMLASpec(4, 1, 8)], 10),
                        "bounded-replay")
+
+
+def test_deepseek_v4_1_flash_kv_sources_and_rings() -> None:
+    shape = load_model("deepseek-v4.1-flash")
+    config = shape.cache_config(num_blocks=10)
+    summary = [(g.spec.kind, g.spec.block_size, len(g.layer_ids)) for g in config.groups]
+    assert summary == [("sliding_window_mla", 32, 11)] * 3 + [
+        ("sliding_window_mla", 32, 10), ("compressed_attention", 256, 8),
+        ("ring_buffer", 8, 3)]
+    ratios = sorted(s.tokens_per_state for s in shape.layers
+                    if isinstance(s, CompressedAttentionSpec) and s.role == "kv")
+    assert ratios == [1, 2, 2, 2]  # kv sources 2, 8, 14 (ratio 2) and 20 (ratio 1)
+    assert config.alignment_tokens == 256 and config.hash_block_size == 32  # rings excluded
+
+
+def test_ring_buffer_holds_one_block_and_never_limits_a_hit() -> None:
+    layers = [CompressedAttentionSpec(8, tokens_per_state=2, entry_bytes=1),
+              SlidingWindowMLASpec(4, 1, 8), RingBufferSpec(4, 1)]
+    manager = KVCacheManager(CacheConfig.from_layers(layers, 60), "latest")
+    ring = [g.spec.kind for g in manager.config.groups].index("ring_buffer")
+    assert all(ring not in sg.group_ids for sg in manager.coordinator.spec_groups)
+    prompt = list(range(50))
+    manager.add_request("a", prompt)
+    hit = manager.find_longest_hit("a")
+    assert manager.allocate_slots("a", 16, hit) is not None
+    assert len(manager.get_block_ids("a")[ring]) == 1
+    assert manager.allocate_slots("a", 16) is not None     # chunked prefill: still one
+    assert len(manager.get_block_ids("a")[ring]) == 1
+    manager.check_invariants()
+    assert manager.allocate_slots("a", 18) is not None
+    manager.remove_request("a")
+    assert manager.pool.num_cached_blocks(ring) == 0         # never hashed
+    assert _run(manager, "b", prompt) == 48                  # the ring does not limit hits
+    manager.check_invariants()
+    assert manager.pool.num_free_blocks == manager.pool.num_blocks - 1

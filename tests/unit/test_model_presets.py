@@ -23,7 +23,7 @@ from hybridkv.sim.model import (
 
 PRESETS = sorted(["dsv4-bench", "gemma3-1b", "gemma3-27b", "gemma3-bench", "gpt-oss-120b",
                   "llama4-scout", "mistral-7b", "qwen3.5-27b",
-                  "deepseek-v4-flash", "deepseek-v4-pro"])
+                  "deepseek-v4-flash", "deepseek-v4-pro", "deepseek-v4.1-flash"])
 
 
 def group_shape(name: str) -> list[tuple[str, int]]:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from hybridkv.managers.base import GroupManager, coarse_hashes
 from hybridkv.managers.chunked import ChunkedLocalManager
-from hybridkv.managers.compressed import CompressedAttentionManager, CompressorStateManager
+from hybridkv.managers.compressed import (
+    CompressedAttentionManager,
+    CompressorStateManager,
+    RingBufferManager,
+)
 from hybridkv.managers.full import FullAttentionManager
 from hybridkv.managers.recurrent import RecurrentStateManager
 from hybridkv.managers.window import SlidingWindowManager
@@ -15,6 +19,7 @@ from hybridkv.specs import (
     FullAttentionSpec,
     LayerSpec,
     RecurrentStateSpec,
+    RingBufferSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
@@ -27,6 +32,7 @@ MANAGER_FOR_SPEC: dict[type[LayerSpec], type[GroupManager]] = {
     CompressedAttentionSpec: CompressedAttentionManager,
     SlidingWindowMLASpec: SlidingWindowManager,
     CompressorStateSpec: CompressorStateManager,
+    RingBufferSpec: RingBufferManager,
 }
 
 __all__ = [
@@ -37,6 +43,7 @@ __all__ = [
     "FullAttentionManager",
     "GroupManager",
     "RecurrentStateManager",
+    "RingBufferManager",
     "SlidingWindowManager",
     "coarse_hashes",
 ]

@@ -100,6 +100,8 @@ class GroupManager(ABC):
     """
 
     is_full_attention: ClassVar[bool] = False
+    covers_computed_tokens: ClassVar[bool] = True
+    """A table of ``n`` blocks covers ``n * block_size`` token slots (not V4.1's ring)."""
     batches_siblings: ClassVar[bool] = True
     """Sibling groups of this kind may be processed by one ``SiblingBatch``."""
     eagle_margin: ClassVar[bool] = True

@@ -20,8 +20,16 @@ released early (see ``docs/design.md``, "DeepSeek-V4 groups").
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import ClassVar
+
+from hybridkv.block import Block
+from hybridkv.ids import BlockHash, GroupId, ReqId
+from hybridkv.managers.base import GroupManager
 from hybridkv.managers.full import FullAttentionManager
 from hybridkv.managers.window import SlidingWindowManager
+from hybridkv.pool import BlockPool
+from hybridkv.specs import LayerSpec
 
 
 class CompressedAttentionManager(FullAttentionManager):
@@ -38,3 +46,63 @@ class CompressorStateManager(SlidingWindowManager):
     Worked example (C128: bs 8, w 128 → 15.9 → 16 tail blocks): a hit at 512 needs blocks
     48–63 (tokens 384–511); blocks before 48 may have been released.
     """
+
+
+class RingBufferManager(GroupManager):
+    """DeepSeek-V4.1 compressor ring (vLLM 0.33 ``CircularBufferManager``): one block per
+    request for its whole life, claimed at the first allocation, never hashed, never
+    looked up (the coordinator leaves non-prefix-cacheable groups out of every search), so
+    a hit needs nothing from it: after a hit at ``p`` (a multiple of every ratio) the open
+    group starts empty at ``p``.
+
+    Worked example: a request admitted with a 4,096-token hit and 10,000 new tokens holds
+    exactly one ring block throughout; freeing it returns that block.
+    """
+
+    covers_computed_tokens: ClassVar[bool] = False
+    batches_siblings: ClassVar[bool] = False
+
+    @classmethod
+    def find_longest_hit(cls, pool: BlockPool, group_ids: Sequence[GroupId], spec: LayerSpec,
+                         hashes: Sequence[BlockHash], max_num_tokens: int, *,
+                         drop_eagle_block: bool, alignment_tokens: int,
+                         ) -> tuple[list[list[Block]], int]:
+        """Never limits a hit (and is never asked: the group is not prefix-cacheable)."""
+        del pool, spec, hashes, drop_eagle_block, alignment_tokens
+        return [[] for _ in group_ids], max_num_tokens
+
+    def admission_cap_blocks(self, max_num_batched_tokens: int, max_model_len: int | None,
+                             ) -> int | None:
+        del max_num_batched_tokens, max_model_len
+        return 1
+
+    def num_blocks_to_allocate(self, req_id: ReqId, num_tokens: int, hit_blocks: Sequence[Block],
+                               num_computed_tokens: int, admission_cap: int | None) -> int:
+        del num_tokens, hit_blocks, num_computed_tokens, admission_cap
+        return 0 if self.tables.get(req_id) else 1
+
+    def num_blocks_to_grow(self, req_id: ReqId, num_tokens: int) -> int:
+        del num_tokens
+        return 0 if self.tables.get(req_id) else 1
+
+    def add_hit_blocks(self, req_id: ReqId, hit_blocks: Sequence[Block], num_hit_tokens: int,
+                       ) -> None:
+        del hit_blocks, num_hit_tokens
+        self.tables[req_id] = []
+        self.num_cached_blocks[req_id] = 0
+
+    def allocate_new_blocks(self, req_id: ReqId, num_tokens: int) -> list[Block]:
+        del num_tokens
+        table = self.tables.setdefault(req_id, [])
+        self.num_cached_blocks.setdefault(req_id, 0)
+        if table:
+            return []
+        new_blocks = self.pool.allocate(1)
+        table.extend(new_blocks)
+        return new_blocks
+
+    def cache_plan(self, req_id: ReqId, hashes: Sequence[BlockHash], hash_block_size: int,
+                   num_tokens: int, boundaries: Sequence[int], bridge_end_tokens: int = 0,
+                   ) -> tuple[int, int, list[bool] | None] | None:
+        del req_id, hashes, hash_block_size, num_tokens, boundaries, bridge_end_tokens
+        return None
