@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 from hybridkv import CacheConfig, ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
-from hybridkv.specs import RecurrentStateSpec
 from hybridkv.managers import FullAttentionManager
 from hybridkv.sim.replay import ReplaySettings, RunResult, attach_bounds, replay
 from hybridkv.sim.trace import Trace, TraceRequest
+from hybridkv.specs import RecurrentStateSpec
 
 RETENTIONS = ("dense", "reachable", "prepend", "latest", "interval:32", "pin:32")
 EVICTIONS = ("", "+scan", "+chain", "+session", "+predict", "+scan+chain+session",
