@@ -230,9 +230,8 @@ class Scheduler:
         self._register(request)
         return self.manager.find_longest_hit(request.req_id)
 
-    def may_extend(self, request: SchedRequest, num_tokens: int) -> bool:
-        self._register(request)
-        return self.manager.may_extend(request.req_id, num_tokens)
+    def may_extend(self, request: SchedRequest, num_tokens: int, matched_tokens: int) -> bool:
+        return self.manager.may_extend(request.req_id, num_tokens, matched_tokens)
 
     @property
     def version(self) -> tuple[int, int]:
