@@ -8,7 +8,7 @@ Usage (a markdown table on stdout, one row per trace × pool × policy × order)
 
 Each order is replayed ``--repeat`` times, the orders interleaved (fcfs, hit, …, fcfs,
 hit, …) so machine-load drift hits them alike; hit rates and waits are deterministic, the
-time is the fastest run. ``time ×`` is manager + scheduler seconds (``RunResult.
+time is the fastest run. ``time ×`` is manager + scheduler CPU seconds (``RunResult.
 scheduler_seconds``: inside ``schedule``/``update``, prompt hashing excluded) over fcfs's.
 """
 
