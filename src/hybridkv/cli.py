@@ -25,6 +25,7 @@ from rich.console import Console
 from hybridkv.argtypes import non_empty_str, positive_int
 from hybridkv.errors import ConfigError, HybridKVError
 from hybridkv.policies import CORE_POLICIES
+from hybridkv.sim.admission import ORDERS
 from hybridkv.sim.commands import (
     DEFAULT_MODEL,
     DEFAULT_WORKLOAD,
@@ -32,6 +33,7 @@ from hybridkv.sim.commands import (
     cmd_replay,
     cmd_sweep,
 )
+from hybridkv.sim.report import REPORT_HELP
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -80,7 +82,10 @@ def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=positive_int, default=None,
                         help="token budget per step (default 8192)")
     parser.add_argument("--hash-algo", choices=("sha256", "xxhash"), default="sha256")
-    parser.add_argument("--eagle", action="store_true", help="EAGLE/MTP drop mode")
+    parser.add_argument("--eagle", action="store_true", help="EAGLE/MTP (lookahead block hashes)")
+    parser.add_argument("--admission", default="fcfs",
+                        help="admission order(s), comma-separated or 'all': "
+                        f"{', '.join(ORDERS)} (default fcfs: the protocol)")
 
 
 def _add_pool_arguments(parser: argparse.ArgumentParser, *, many: bool) -> None:
@@ -103,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hybridkv {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    replay = sub.add_parser("replay", help="replay a trace or workload under retention policies")
+    replay = sub.add_parser("replay", help="replay a trace or workload under retention policies",
+                            description=REPORT_HELP,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_source_arguments(replay)
     _add_pool_arguments(replay, many=False)
     replay.add_argument("--policy", default="core", type=non_empty_str,

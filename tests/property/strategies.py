@@ -1,7 +1,8 @@
 """Shared hypothesis strategies and oracles for the property tests.
 
 ``hybrid_setups()`` draws small hybrid models (1–3 groups of full / sliding-window /
-chunked-local layers, block sizes in {2, 4, 8}), a retention policy, EAGLE on/off and a
+chunked-local layers, block sizes in {2, 4, 8}), a retention policy, EAGLE off / lookahead
+hashes / drop mode and a
 small pool that forces eviction and refusals. ``needed_blocks`` is the reference answer to
 "which blocks of group g must a request hold to compute position p next".
 """
@@ -35,11 +36,13 @@ class HybridSetup:
     policy: str
     use_eagle: bool
     eagle_group_ids: tuple[int, ...] | None
+    eagle_block_drop: bool = False
+    """EAGLE in the older drop mode (else lookahead hashes, the default)."""
 
     def build(self) -> KVCacheManager:
         config = CacheConfig.from_layers(
             self.layers, self.num_blocks, use_eagle=self.use_eagle,
-            eagle_group_ids=self.eagle_group_ids)
+            eagle_group_ids=self.eagle_group_ids, eagle_block_drop=self.eagle_block_drop)
         return KVCacheManager(config, self.policy)
 
 
@@ -55,7 +58,7 @@ def typical_hybrid_specs(draw: st.DrawFn) -> tuple[LayerSpec, ...]:
     specs: list[LayerSpec] = [FullAttentionSpec(full_bs, 1)]
     for _ in range(draw(st.integers(1, 2))):
         bs = draw(st.sampled_from([b for b in BLOCK_SIZES if b < full_bs]))
-        specs.append(SlidingWindowSpec(bs, 1, draw(st.integers(2, 2 * full_bs))))
+        specs.append(SlidingWindowSpec(bs, 1, draw(st.integers(1, 2 * full_bs))))
     return tuple(specs)
 
 
@@ -76,10 +79,10 @@ def random_layer_specs(draw: st.DrawFn) -> tuple[LayerSpec, ...]:
         if kind == "full":
             specs.append(FullAttentionSpec(bs, 1))
         elif kind == "swa":
-            # windows from 2 tokens to 3 blocks of the largest size: smaller and larger
+            # windows from 1 token to 3 blocks of the largest size: smaller and larger
             # than one block, small ones favoured (they make sparse retention masks);
-            # w = 1 needs no KV at all and is left out
-            window = draw(st.integers(2, 9) | st.integers(2, 3 * max(BLOCK_SIZES)))
+            # w = 1 needs no window KV at all (an empty tail: issue 12's regression)
+            window = draw(st.integers(1, 9) | st.integers(1, 3 * max(BLOCK_SIZES)))
             specs.append(SlidingWindowSpec(bs, 1, window))
         else:
             specs.append(ChunkedLocalSpec(bs, 1, bs * draw(st.integers(1, 3))))
@@ -103,14 +106,15 @@ def hybrid_setups(draw: st.DrawFn, *, typical_tokens: int = 24) -> HybridSetup:
         policy = kind
     groups = CacheConfig.from_layers(layers, 2).groups
     has_chunked = any(isinstance(s, ChunkedLocalSpec) for s in layers)
-    use_eagle = not has_chunked and draw(st.integers(0, 2)) == 0
+    use_eagle = draw(st.integers(0, 2)) == 0
     eagle_group_ids = None
-    if use_eagle and draw(st.booleans()):
+    eagle_block_drop = use_eagle and not has_chunked and draw(st.booleans())
+    if eagle_block_drop and draw(st.booleans()):
         eagle_group_ids = tuple(sorted(draw(st.sets(
             st.integers(0, len(groups) - 1), min_size=1, max_size=len(groups)))))
     per_request = sum(-(-typical_tokens // g.spec.block_size) for g in groups)
     num_blocks = 1 + draw(st.integers(max(2, per_request // 2), per_request * 4))
-    return HybridSetup(layers, num_blocks, policy, use_eagle, eagle_group_ids)
+    return HybridSetup(layers, num_blocks, policy, use_eagle, eagle_group_ids, eagle_block_drop)
 
 
 def needed_blocks(spec: LayerSpec, num_tokens: int) -> range:

@@ -25,12 +25,17 @@ import torch
 from torch import nn
 from torch.nn import functional as nnf
 
-from hybridkv.engine.model_config import ModelConfig
+from hybridkv.engine.gated_delta import GatedDeltaMixer, Projected
+from hybridkv.engine.model_config import RECURRENT_KINDS, LayerKind, ModelConfig
 from hybridkv.engine.pointwise import EAGER_OPS, PointwiseOps, compiled_ops
 from hybridkv.engine.rope import rope_tables
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``attend(layer_id, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]``."""
+
+MixFn = Callable[[int, Projected], torch.Tensor]
+"""``mix(layer_id, projected) -> [T, Hv, dv]``: a ``linear_attention`` layer's stateful part
+(the runner's: resumes each request from its checkpoint, writes the new ones)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +55,20 @@ class LayerWeights:
 
 
 class DecoderLayer(nn.Module):
-    """Parameters of one layer; ``weights()`` exposes them as a ``LayerWeights``."""
+    """Parameters of one layer; ``weights()`` exposes them as a ``LayerWeights``.
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    A ``linear_attention`` layer has a ``GatedDeltaMixer`` (``mixer``) instead of the
+    attention projections (those are then empty tensors)."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
+                 kind: LayerKind = "full_attention") -> None:
         super().__init__()
         hidden, hd = config.hidden_size, config.head_dim
         qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * hd
+        self.mixer: GatedDeltaMixer | None = None
+        if kind in RECURRENT_KINDS:
+            self.mixer = GatedDeltaMixer(config, dtype=dtype, device=device)
+            qkv_rows, hd = 0, 0
 
         def param(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device),
@@ -65,7 +78,7 @@ class DecoderLayer(nn.Module):
         self.qkv = param(qkv_rows, hidden)
         self.q_norm = param(hd)
         self.k_norm = param(hd)
-        self.o_proj = param(hidden, config.num_heads * hd)
+        self.o_proj = param(hidden if hd else 0, config.num_heads * hd)
         self.post_attn_norm = param(hidden)
         self.pre_ffn_norm = param(hidden)
         self.gate_up = param(2 * config.intermediate_size, hidden)
@@ -97,8 +110,8 @@ class HybridDecoder(nn.Module):
         self.device = device
         self.embed = nn.Parameter(torch.zeros(config.vocab_size, config.hidden_size,
                                               dtype=dtype, device=device), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype=dtype, device=device)
-                                    for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype=dtype, device=device, kind=kind)
+                                    for kind in config.layer_types)
         self.final_norm = nn.Parameter(torch.zeros(config.hidden_size, dtype=dtype,
                                                    device=device), requires_grad=False)
         self.lm_head: nn.Parameter | None = None
@@ -114,6 +127,8 @@ class HybridDecoder(nn.Module):
         """Seeded random weights: projections ~ N(0, 1/fan_in), norm weights ~ N(0, 0.1²)."""
         generator = torch.Generator(device=self.device).manual_seed(seed)
         for name, tensor in self.named_parameters():
+            if tensor.numel() == 0:
+                continue
             scale = 0.1 if tensor.dim() == 1 else tensor.shape[-1] ** -0.5
             if name in ("embed", "lm_head"):
                 scale = self.config.hidden_size ** -0.5
@@ -121,6 +136,8 @@ class HybridDecoder(nn.Module):
                                  dtype=torch.float32 if tensor.dtype != torch.float64
                                  else torch.float64)
             tensor.copy_(values * scale)
+        for layer_id in self.recurrent_layer_ids:
+            self.mixer(layer_id).init_gates(generator)
         self._layer_weights = None
 
     @torch.no_grad()
@@ -138,6 +155,17 @@ class HybridDecoder(nn.Module):
         Gemma's float32 formulas, see ``engine.pointwise``)."""
         self.ops = compiled_ops()
 
+    @property
+    def recurrent_layer_ids(self) -> list[int]:
+        """Layers with a recurrent state (``linear_attention``)."""
+        return [i for i, kind in enumerate(self.config.layer_types) if kind in RECURRENT_KINDS]
+
+    def mixer(self, layer_id: int) -> GatedDeltaMixer:
+        """The Gated DeltaNet mixer of ``linear_attention`` layer ``layer_id``."""
+        layer = self.layers[layer_id]
+        assert isinstance(layer, DecoderLayer) and layer.mixer is not None, layer_id
+        return layer.mixer
+
     def layer_weights(self) -> list[LayerWeights]:
         if self._layer_weights is None:
             self._layer_weights = [layer.weights() for layer in self.layers
@@ -146,9 +174,10 @@ class HybridDecoder(nn.Module):
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
-                logit_rows: torch.Tensor) -> torch.Tensor:
+                logit_rows: torch.Tensor, mix: MixFn | None = None) -> torch.Tensor:
         """Run all layers over ``token_ids`` [T] at ``positions`` [T]; return the logits of
-        rows ``logit_rows`` (``[R, vocab]``)."""
+        rows ``logit_rows`` (``[R, vocab]``). ``mix`` runs the stateful part of
+        ``linear_attention`` layers (required when the model has any)."""
         cfg = self.config
         scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=self.dtype, device=self.device)
         x = nnf.embedding(token_ids, self.embed) * scale
@@ -162,6 +191,10 @@ class HybridDecoder(nn.Module):
         }
         for layer_id, (kind, weights) in enumerate(zip(cfg.layer_types, self.layer_weights(),
                                                        strict=True)):
+            if kind in RECURRENT_KINDS:
+                assert mix is not None, "a model with linear_attention layers needs mix"
+                x = self._recurrent_layer(layer_id, x, weights, mix)
+                continue
             cos, sin = ropes["full_attention" if kind == "full_attention" else "local"]
             x = self._layer(layer_id, x, weights, cos, sin, attend)
         h = self.ops.norm(x.index_select(0, logit_rows), self.final_norm, cfg.rms_norm_eps)
@@ -171,6 +204,17 @@ class HybridDecoder(nn.Module):
             cap = cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def _recurrent_layer(self, layer_id: int, x: torch.Tensor, w: LayerWeights,
+                         mix: MixFn) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        ops, mixer = self.ops, self.mixer(layer_id)
+        projected = mixer.project(ops.norm(x, w.input_norm, eps))
+        out = mixer.finish(mix(layer_id, projected), projected.z, eps)
+        x = ops.add_norm(x, out, w.post_attn_norm, eps)
+        mlp = nnf.linear(ops.gated_gelu(nnf.linear(ops.norm(x, w.pre_ffn_norm, eps),
+                                                   w.gate_up)), w.down)
+        return ops.add_norm(x, mlp, w.post_ffn_norm, eps)
 
     def _layer(self, layer_id: int, x: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
                sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:

@@ -35,8 +35,12 @@ from hybridkv.specs import (
     kv_bytes_per_token,
 )
 
-LayerKind = Literal["full_attention", "sliding_attention", "chunked_attention"]
-LAYER_KINDS: Final = ("full_attention", "sliding_attention", "chunked_attention")
+LayerKind = Literal["full_attention", "sliding_attention", "chunked_attention",
+                    "linear_attention"]
+LAYER_KINDS: Final = ("full_attention", "sliding_attention", "chunked_attention",
+                      "linear_attention")
+RECURRENT_KINDS: Final = ("linear_attention",)
+"""Layer kinds with a recurrent state instead of KV (``engine.recurrent``: Gated DeltaNet)."""
 
 
 def gemma3_pattern(num_layers: int, period: int = 6) -> tuple[LayerKind, ...]:
@@ -52,6 +56,18 @@ def gemma3_pattern(num_layers: int, period: int = 6) -> tuple[LayerKind, ...]:
 def alternating_pattern(num_layers: int) -> tuple[LayerKind, ...]:
     """gpt-oss: sliding and full layers alternate, starting with sliding."""
     return tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                 for i in range(num_layers))
+
+
+def qwen3_next_pattern(num_layers: int, interval: int = 4) -> tuple[LayerKind, ...]:
+    """Qwen3-Next / Qwen3.5: every ``interval``-th layer is full attention, the others are
+    Gated DeltaNet (``linear_attention``).
+
+    >>> qwen3_next_pattern(5)  # doctest: +NORMALIZE_WHITESPACE
+    ('linear_attention', 'linear_attention', 'linear_attention', 'full_attention',
+     'linear_attention')
+    """
+    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
                  for i in range(num_layers))
 
 
@@ -79,6 +95,10 @@ class ModelConfig:
             (``None``: ``head_dim``).
         final_logit_softcapping: ``cap * tanh(logits / cap)`` when set.
         tie_word_embeddings: the LM head reuses the embedding matrix.
+        linear_num_key_heads / linear_num_value_heads / linear_key_head_dim /
+            linear_value_head_dim / linear_conv_kernel_dim: the Gated DeltaNet shape of
+            ``linear_attention`` layers (Qwen3-Next names; value heads a multiple of key
+            heads; conv taps ``K >= 2``).
     """
 
     vocab_size: int
@@ -98,6 +118,11 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     final_logit_softcapping: float | None = None
     tie_word_embeddings: bool = True
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 8
+    linear_value_head_dim: int = 8
+    linear_conv_kernel_dim: int = 4
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_heads",
@@ -124,9 +149,23 @@ class ModelConfig:
                 _positive(self.sliding_window) or self.layer_windows is not None):
             raise ConfigError("sliding_window", self.sliding_window,
                               "sliding layers need a positive window (tokens)")
+        self._check_linear_shape()
         if "chunked_attention" in self.layer_types and not _positive(self.attention_chunk_size):
             raise ConfigError("attention_chunk_size", self.attention_chunk_size,
                               "chunked layers need a positive chunk size (tokens)")
+
+    def _check_linear_shape(self) -> None:
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim"):
+            if not _positive(getattr(self, name)):
+                raise ConfigError(name, getattr(self, name), "must be a positive integer")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError("linear_num_value_heads", self.linear_num_value_heads,
+                              f"must be a multiple of linear_num_key_heads="
+                              f"{self.linear_num_key_heads}")
+        if not _positive(self.linear_conv_kernel_dim) or self.linear_conv_kernel_dim < 2:
+            raise ConfigError("linear_conv_kernel_dim", self.linear_conv_kernel_dim,
+                              "must be an integer >= 2 (taps)")
 
     @classmethod
     def tiny(cls, *, layer_types: Sequence[LayerKind] | None = None,
@@ -146,6 +185,40 @@ class ModelConfig:
         return cls(vocab_size=262_144, hidden_size=1152, intermediate_size=6912, num_heads=4,
                    num_kv_heads=1, head_dim=256, layer_types=gemma3_pattern(26),
                    sliding_window=512, query_pre_attn_scalar=256)
+
+    @classmethod
+    def qwen35_shape(cls, num_layers: int = 64) -> ModelConfig:
+        """Qwen3.5-27B's per-layer shape (hidden 5120, 24 Q / 4 KV heads x 256, Gated DeltaNet
+        16 key / 48 value heads x 128, conv 4; every 4th layer full attention); ``num_layers``
+        cuts the depth (the model has 64). Full-attention layers keep this engine's
+        Gemma-style block (no output gate)."""
+        return cls(vocab_size=248_320, hidden_size=5120, intermediate_size=17_408,
+                   num_heads=24, num_kv_heads=4, head_dim=256,
+                   layer_types=qwen3_next_pattern(num_layers), rope_theta=10_000_000.0,
+                   linear_num_key_heads=16, linear_num_value_heads=48,
+                   linear_key_head_dim=128, linear_value_head_dim=128,
+                   linear_conv_kernel_dim=4)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a ``linear_attention`` layer's conv: ``q | k | v``.
+
+        >>> ModelConfig.tiny(layer_types=qwen3_next_pattern(4)).linear_conv_dim
+        64
+        """
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    def recurrent_state_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of one ``linear_attention`` layer's checkpoint: conv inputs
+        ``(K - 1) * conv_dim`` plus state ``value_heads * dk * dv``.
+
+        >>> ModelConfig.qwen35_shape().recurrent_state_bytes(4)
+        3268608
+        """
+        conv = (self.linear_conv_kernel_dim - 1) * self.linear_conv_dim
+        ssm = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+        return (conv + ssm) * dtype_bytes
 
     @property
     def num_layers(self) -> int:
@@ -187,10 +260,27 @@ def layer_specs_for_model(config: ModelConfig, *, block_size: int, dtype_bytes: 
             specs.append(FullAttentionSpec(full_block_size or block_size, per_token))
         elif kind == "sliding_attention":
             specs.append(SlidingWindowSpec(block_size, per_token, config.window_of(layer_id)))
+        elif kind in RECURRENT_KINDS:
+            specs.append(recurrent_layer_spec(config, block_size=block_size,
+                                              state_dtype_bytes=dtype_bytes))
         else:
             assert config.attention_chunk_size is not None
             specs.append(ChunkedLocalSpec(block_size, per_token, config.attention_chunk_size))
     return specs
+
+
+def recurrent_layer_spec(config: ModelConfig, *, block_size: int,
+                         state_dtype_bytes: int) -> LayerSpec:
+    """The cache spec of a ``linear_attention`` layer: one checkpoint per block of
+    ``block_size`` tokens (vLLM's ``align`` mode), ``config.recurrent_state_bytes`` each.
+
+    Stand-in until the recurrent-state spec lands: a full-attention spec (keeps every
+    block, so every block boundary has its checkpoint) whose bytes per token spread one
+    checkpoint over the block; it never equals an attention layer's spec, so recurrent
+    layers get their own cache groups.
+    """
+    state = config.recurrent_state_bytes(state_dtype_bytes)
+    return FullAttentionSpec(block_size, -(-state // block_size) + 1)
 
 
 def cache_config_for_model(config: ModelConfig, *, num_blocks: int, block_size: int,

@@ -30,8 +30,11 @@ from hybridkv.cache import KVCacheManager, PrefillPlan
 from hybridkv.config import CacheConfig
 from hybridkv.engine.attention import AttentionFn, AttentionRule, reference_attention
 from hybridkv.engine.bridge import check_span, chunk_span
-from hybridkv.engine.model import AttendFn, HybridDecoder
+from hybridkv.engine.checkpoints import PagedStateCache, checkpoint_stops
+from hybridkv.engine.gated_delta import Projected, Recurrence
+from hybridkv.engine.model import AttendFn, HybridDecoder, MixFn
 from hybridkv.engine.paged import PagedKVCache
+from hybridkv.engine.recurrent import gated_delta_reference
 from hybridkv.errors import CapacityError, ConfigError
 from hybridkv.sim.scheduler import SchedRequest, ScheduledChunk, Scheduler, StepPlan
 
@@ -108,6 +111,11 @@ class _Work:
     write_skips: list[int]
     read_slots: list[torch.Tensor]
     read_starts: list[int]
+    state_reads: dict[int, int] = field(default_factory=dict)
+    """Recurrent group → block holding the checkpoint the chunk resumes from (absent at
+    token 0)."""
+    state_writes: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """Recurrent group → ``(token count, block)`` of each checkpoint the chunk writes."""
 
     @property
     def start(self) -> int:
@@ -146,6 +154,8 @@ class RunOptions:
     max_running: int = 16
     record_logits: bool = True
     poison: bool = False
+    admission: str = "fcfs"
+    """Admission order of the shared scheduler (``hybridkv.sim.admission.ORDERS``)."""
 
 
 class EngineRunner:
@@ -158,12 +168,20 @@ class EngineRunner:
         attention: ``reference_attention`` (exact, float64), ``sdpa_attention`` or a
             ``engine.flex.FlexAttention``.
         kv_cache: reuse pages across runners (same ``CacheConfig`` shape).
+        recurrence: the Gated DeltaNet path of ``linear_attention`` layers
+            (``gated_delta_reference``: exact, float64; ``gated_delta_chunked``).
+        state_cache: reuse checkpoint pages across runners (same ``CacheConfig`` shape).
+        state_dtype: storage of recurrent states (default float32, float64 for a float64
+            model).
     """
 
     def __init__(self, model: HybridDecoder, cache_config: CacheConfig,
                  options: RunOptions | None = None, *,
                  attention: AttentionFn = reference_attention,
-                 kv_cache: PagedKVCache | None = None) -> None:
+                 kv_cache: PagedKVCache | None = None,
+                 recurrence: Recurrence = gated_delta_reference,
+                 state_cache: PagedStateCache | None = None,
+                 state_dtype: torch.dtype | None = None) -> None:
         mcfg = model.config
         self.model = model
         self.cache_config = cache_config
@@ -180,6 +198,17 @@ class EngineRunner:
             raise ConfigError("kv_cache", "<PagedKVCache>",
                               "pages were built for other cache groups or pool size")
         self.kv_cache = kv_cache
+        self.recurrence = recurrence
+        if state_cache is None:
+            wide = torch.float64 if model.dtype == torch.float64 else torch.float32
+            state_cache = PagedStateCache(cache_config, mcfg, conv_dtype=model.dtype,
+                                          state_dtype=state_dtype or wide,
+                                          device=model.device, poison=options.poison)
+        elif (state_cache.config.groups != cache_config.groups
+              or state_cache.config.num_blocks != cache_config.num_blocks):
+            raise ConfigError("state_cache", "<PagedStateCache>",
+                              "pages were built for other cache groups or pool size")
+        self.state_cache = state_cache
         self.scheduler: Scheduler | None = None
         self.manager: KVCacheManager | None = None
 
@@ -202,7 +231,8 @@ class EngineRunner:
         """Run ``requests`` (copied; the originals are not mutated) to completion."""
         opts = self.options
         manager = KVCacheManager(self.cache_config, opts.policy)
-        scheduler = Scheduler(manager, max_running=opts.max_running, chunk_size=opts.chunk_size)
+        scheduler = Scheduler(manager, max_running=opts.max_running, chunk_size=opts.chunk_size,
+                              admission=opts.admission)
         self.manager, self.scheduler = manager, scheduler
         records: dict[str, RequestRecord] = {}
         for request in requests:
@@ -256,7 +286,8 @@ class EngineRunner:
         device = self.model.device
         logits = self.model(vocab_ids(token_ids, self.model.config.vocab_size, device),
                             torch.cat(positions).to(device), self._attend_fn(works),
-                            torch.tensor(logit_rows, dtype=torch.int64).to(device))
+                            torch.tensor(logit_rows, dtype=torch.int64).to(device),
+                            self._mix_fn(works))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         samplers = [w.chunk.req_id for w in works if w.chunk.samples]
@@ -272,7 +303,18 @@ class EngineRunner:
         tables = manager.get_block_ids(chunk.req_id)
         plan = manager.prefill_plan(chunk.req_id)
         write, skips, read, read_starts = [], [], [], []
+        empty = torch.empty(0, dtype=torch.int64)
+        state_reads: dict[int, int] = {}
+        state_writes: dict[int, list[tuple[int, int]]] = {}
         for group_id, rule in enumerate(self.group_rules):
+            if group_id in self.state_cache.group_ids:
+                self._resolve_states(chunk, group_id, tables[group_id], state_reads,
+                                     state_writes)
+                write.append(empty)
+                skips.append(0)
+                read.append(empty)
+                read_starts.append(start)
+                continue
             span = chunk_span(rule, start, end, plan)
             check_span(span, rule, plan, req_id=chunk.req_id, group_id=group_id)
             slots = self.kv_cache.slots(req_id=chunk.req_id, group_id=group_id,
@@ -281,7 +323,54 @@ class EngineRunner:
             read_starts.append(span.read_start)
             write.append(slots[span.write_start - span.read_start :])
             skips.append(span.num_skipped_writes(start))
-        return _Work(chunk, row, write, skips, read, read_starts)
+        return _Work(chunk, row, write, skips, read, read_starts, state_reads, state_writes)
+
+    def _resolve_states(self, chunk: ScheduledChunk, group_id: int, table: Sequence[int],
+                        reads: dict[int, int], writes: dict[int, list[tuple[int, int]]]) -> None:
+        """The checkpoint a recurrent group's chunk resumes from and those it writes: at
+        every block end inside the chunk and at its end, into the table's entry for that
+        token count; entries the manager left null (not kept) are not written."""
+        start = chunk.num_computed_tokens
+        end = start + chunk.num_new_tokens
+        cache = self.state_cache
+        if start > 0:
+            reads[group_id] = cache.block_for(req_id=chunk.req_id, group_id=group_id,
+                                              table=table, num_tokens=start)
+        bs = self.cache_config.groups[group_id].spec.block_size
+        targets = []
+        for stop in checkpoint_stops(start=start, end=end, block_size=bs):
+            index = (stop - 1) // bs
+            if index < len(table) and table[index] != 0:
+                targets.append((stop, cache.block_for(req_id=chunk.req_id, group_id=group_id,
+                                                      table=table, num_tokens=stop)))
+        writes[group_id] = targets
+
+    def _mix_fn(self, works: list[_Work]) -> MixFn:
+        cache, model, recurrence = self.state_cache, self.model, self.recurrence
+
+        def mix(layer_id: int, projected: Projected) -> torch.Tensor:
+            group_id = cache.group_of(layer_id)
+            mixer = model.mixer(layer_id)
+            outputs = []
+            for work in works:
+                rows = slice(work.row, work.row + work.num_tokens)
+                block = work.state_reads.get(group_id)
+                state = (mixer.zero_state(state_dtype=cache.ssm.dtype) if block is None
+                         else cache.read(layer_id, block))
+                targets = work.state_writes[group_id]
+                stops = [stop - work.start for stop, _ in targets]
+                if not stops or stops[-1] != work.num_tokens:
+                    stops.append(work.num_tokens)
+                out, states = mixer.mix_from(projected.qkv[rows], projected.g[rows],
+                                             projected.beta[rows], state, stops=stops,
+                                             recurrence=recurrence)
+                by_stop = dict(zip(stops, states, strict=True))
+                for stop, target in targets:
+                    cache.write(layer_id, target, by_stop[stop - work.start])
+                outputs.append(out)
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+        return mix
 
     def _attend_fn(self, works: list[_Work]) -> AttendFn:
         cache, rules = self.kv_cache, self.rules

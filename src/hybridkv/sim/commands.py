@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -28,13 +28,14 @@ from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError, HybridKVError, PoolTooSmallError
 from hybridkv.eviction import parse_eviction
 from hybridkv.policies import CORE_POLICIES, make_retention_policy, split_policy_name
+from hybridkv.sim.admission import parse_admissions
 from hybridkv.sim.bound import offline_optimum
 from hybridkv.sim.ceiling import infinite_cache_ceiling
 from hybridkv.sim.limits import check_pool_fits
 from hybridkv.sim.loaders import load_trace
 from hybridkv.sim.model import ModelShape, load_model, num_blocks_for_memory, parse_size
 from hybridkv.sim.outputs import StagedOutputs, check_output_path
-from hybridkv.sim.replay import ProgressFn, ReplaySettings, RunResult, replay
+from hybridkv.sim.replay import ProgressFn, ReplaySettings, RunResult, attach_bounds, replay
 from hybridkv.sim.report import (
     PolicyRun,
     Report,
@@ -291,11 +292,14 @@ def run_policy(source: Source, config: CacheConfig, policy: str, settings: Repla
     total: RunResult | None = None
     for key, trace in source.scenarios.items():
         label = f"{policy} f={key}" if key else policy
+        if settings.admission != "fcfs":
+            label += f" [{settings.admission}]"
         callback: ProgressFn | None = None
         if progress is not None:
             task = progress.add_task(label, total=len(trace.requests))
             callback = _throttled(progress, task)
         result = replay(trace, config, policy, settings, callback)
+        attach_bounds(result, trace, config)
         if progress is not None:
             progress.remove_task(task)
         if source.is_multi_scenario:
@@ -311,8 +315,11 @@ def run_policy(source: Source, config: CacheConfig, policy: str, settings: Repla
 _WORK: tuple[Source, CacheConfig, ReplaySettings] | None = None
 """What forked workers replay (inherited through fork, never pickled)."""
 
-_LIMITS = ""
-"""Worker task name of the ceiling + bound computation (no policy has an empty name)."""
+_LIMITS = ("", "")
+"""Worker task of the ceiling + bound computation (no policy has an empty name)."""
+
+Task = tuple[str, str]
+"""(policy, admission order) of one replay."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,7 +331,8 @@ class Limits:
 
 
 def source_limits(source: Source, config: CacheConfig) -> Limits:
-    return Limits(source_ceiling(source, config.alignment_tokens), source_bound(source, config))
+    """The ceiling; ``bound`` / ``bound_fa`` come with each run (its admission order)."""
+    return Limits(source_ceiling(source, config.alignment_tokens), None)
 
 
 PR_SET_PDEATHSIG = 1
@@ -361,25 +369,26 @@ def _exit_with_parent(parent_pid: int) -> None:  # pragma: no cover - non-Linux 
     os._exit(1)
 
 
-def _run_in_worker(task: str) -> PolicyRun | Limits:
+def _run_in_worker(task: Task) -> PolicyRun | Limits:
     assert _WORK is not None
     source, config, settings = _WORK
     if task == _LIMITS:
         return source_limits(source, config)
-    return run_policy(source, config, task, settings, None)
+    return run_policy(source, config, task[0], replace(settings, admission=task[1]), None)
 
 
-def _dispatch_order(tasks: Sequence[str]) -> list[int]:
+def _dispatch_order(tasks: Sequence[Task]) -> list[int]:
     """Task indices, expected-longest first (a greedy longest-first schedule shortens the
     run on few processes): sparse retentions (``RetentionPolicy.is_sparse``) after the
     others, the limits last.
 
-    >>> _dispatch_order(["latest", "interval:32768", "dense", ""])
+    >>> _dispatch_order([("latest", "fcfs"), ("interval:32768", "hit"), ("dense", "fcfs"),
+    ...                  ("", "")])
     [2, 0, 1, 3]
     """
     def rank(index: int) -> int:
-        name = tasks[index]
-        if name == _LIMITS:
+        name = tasks[index][0]
+        if tasks[index] == _LIMITS:
             return 2
         return 1 if make_retention_policy(split_policy_name(name)[0]).is_sparse else 0
     return sorted(range(len(tasks)), key=rank)
@@ -387,15 +396,19 @@ def _dispatch_order(tasks: Sequence[str]) -> list[int]:
 
 def run_policies(source: Source, config: CacheConfig, policies: Sequence[str],
                  settings: ReplaySettings, *, jobs: int = 1,
-                 show_progress: bool = True) -> tuple[Limits, list[PolicyRun]]:
-    """Compute the limits and replay every policy, in ``jobs`` forked processes when > 1
-    (the limits then run as one more task, last, beside the replays; results in order)."""
+                 show_progress: bool = True,
+                 admissions: Sequence[str] | None = None) -> tuple[Limits, list[PolicyRun]]:
+    """Compute the limits and replay every policy under every admission order (default:
+    ``settings.admission``; order-major), in ``jobs`` forked processes when > 1 (the limits
+    then run as one more task, last, beside the replays; results in order)."""
     if jobs < 1:
         raise ConfigError("--jobs", jobs, "must be a positive number of processes")
-    if jobs == 1 or len(policies) == 1:
+    all_tasks = [(p, a) for a in (admissions or (settings.admission,)) for p in policies]
+    if jobs == 1 or len(all_tasks) == 1:
         limits = source_limits(source, config)
         with _progress(show_progress) as progress:
-            return limits, [run_policy(source, config, p, settings, progress) for p in policies]
+            return limits, [run_policy(source, config, p, replace(settings, admission=a),
+                                       progress) for p, a in all_tasks]
     global _WORK  # noqa: PLW0603 - handed to forked workers without pickling the trace
     _WORK = (source, config, settings)
     try:
@@ -405,8 +418,8 @@ def run_policies(source: Source, config: CacheConfig, policies: Sequence[str],
         with _progress(show_progress) as progress, context.Pool(
                 jobs, initializer=_worker_init, initargs=(os.getpid(),)) as pool:
             task = None if progress is None else progress.add_task(
-                f"{len(policies)} policies on {jobs} processes", total=len(policies) + 1)
-            tasks = [*policies, _LIMITS]
+                f"{len(all_tasks)} replays on {jobs} processes", total=len(all_tasks) + 1)
+            tasks = [*all_tasks, _LIMITS]
             results: dict[int, PolicyRun | Limits] = {}
             order = _dispatch_order(tasks)
             for position, result in zip(order, pool.imap(_run_in_worker,
@@ -415,9 +428,9 @@ def run_policies(source: Source, config: CacheConfig, policies: Sequence[str],
                 results[position] = result
                 if progress is not None and task is not None:
                     progress.advance(task)
-        computed = results.pop(len(policies))
+        computed = results.pop(len(all_tasks))
         assert isinstance(computed, Limits)
-        runs = [results[i] for i in range(len(policies))]
+        runs = [results[i] for i in range(len(all_tasks))]
         return computed, [run for run in runs if isinstance(run, PolicyRun)]
     finally:
         _WORK = None
@@ -442,10 +455,16 @@ def _replay_phase_only(result: RunResult) -> RunResult:
     """Run-level numbers of a microbenchmark scenario = its replay phase."""
     phase = result.by_tag.get("replay")
     copy = RunResult(result.policy, result.num_blocks, preemptions=result.preemptions,
+                     misses=result.misses_by_tag.get("replay", result.misses),
+                     misses_by_tag=dict(result.misses_by_tag),
+                     bound_hit_tokens=result.bound_hit_tokens,
+                     bound_fa_hit_tokens=result.bound_fa_hit_tokens,
                      bridge_tokens=result.bridge_tokens,
                      steps=result.steps, evicted_blocks=result.evicted_blocks,
                      manager_seconds=result.manager_seconds, hash_seconds=result.hash_seconds,
-                     wall_seconds=result.wall_seconds, by_tag=dict(result.by_tag))
+                     wall_seconds=result.wall_seconds, by_tag=dict(result.by_tag),
+                     admission=result.admission, scheduler_seconds=result.scheduler_seconds,
+                     wait_steps=result.wait_steps)
     if phase is not None:
         copy.requests, copy.prompt_tokens, copy.hit_tokens = (
             phase.requests, phase.prompt_tokens, phase.hit_tokens)
@@ -453,7 +472,7 @@ def _replay_phase_only(result: RunResult) -> RunResult:
 
 
 def _merged(a: RunResult, b: RunResult) -> RunResult:
-    merged = RunResult(a.policy, a.num_blocks)
+    merged = RunResult(a.policy, a.num_blocks, admission=a.admission)
     merged.merge(a)
     merged.merge(b)
     return merged
@@ -504,17 +523,19 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
                               num_processes=jobs)
     config = make_config(shape, num_blocks, args, settings)
     policies = parse_policies(args.policy, _has_sessions(source))
+    admissions = parse_admissions(args.admission)
     for policy in policies:
         make_retention_policy(split_policy_name(policy)[0]).validate(
             config.alignment_tokens, True)
     check_pool_holds_requests(source, config)
     limits, runs = run_policies(source, config, policies, settings, jobs=jobs,
-                                show_progress=not args.quiet)
+                                show_progress=not args.quiet, admissions=admissions)
     report = Report(source.name, shape.name, limits.ceiling, runs, {
         **pool_summary(shape, config), "workload": source.describe(),
         "max_running": settings.max_running,
         "chunk_size": settings.chunk_size, "hash_algo": args.hash_algo, "eagle": args.eagle,
-    }, limits.bound)
+    }, _max_rate([run.result.bound for run in runs]),
+        _max_rate([run.result.bound_fa for run in runs]))
     render_table(report, console)
     with StagedOutputs() as staged:
         if json_path is not None:
@@ -525,6 +546,12 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
         staged.commit()
     del err_console
     return 0
+
+
+def _max_rate(rates: Sequence[float | None]) -> float | None:
+    """The report-level bound: the largest per-run one, so it bounds every run shown."""
+    known = [r for r in rates if r is not None]
+    return max(known) if known else None
 
 
 def _parse_list(text: str, field: str) -> list[str]:
@@ -575,6 +602,7 @@ def cmd_sweep(args: argparse.Namespace, console: Console, err_console: Console) 
     settings = resolve_settings(args, source)
     pools = _sweep_pools(args, shape, source)
     policies = parse_policies(args.policy, _has_sessions(source))
+    admissions = parse_admissions(args.admission)
     cells: list[SweepCell] = []
     ceiling = 0.0
     with _progress(not args.quiet) as progress:
@@ -586,21 +614,30 @@ def cmd_sweep(args: argparse.Namespace, console: Console, err_console: Console) 
                 check_pool_holds_requests(source, config)
             except PoolTooSmallError as err:
                 failure = err
-            for policy in policies:
-                cell = SweepCell(num_blocks, policy, error=failure)
-                cells.append(cell)
-                if failure is not None:
-                    continue
-                try:
-                    result = run_policy(source, config, policy, settings, progress).result
-                except PoolTooSmallError as err:
-                    cell.error = failure = err
-                    continue
-                cell.row = {"policy": policy, "num_blocks": num_blocks,
-                            "hit_rate": round(result.hit_rate, 6),
-                            "hit_tokens": result.hit_tokens,
-                            "prompt_tokens": result.prompt_tokens,
-                            "preemptions": result.preemptions, "ceiling": round(ceiling, 6)}
+            for admission in admissions:
+                for policy in policies:
+                    label = policy if len(admissions) == 1 else f"{policy} [{admission}]"
+                    cell = SweepCell(num_blocks, label, error=failure)
+                    cells.append(cell)
+                    if failure is not None:
+                        continue
+                    try:
+                        result = run_policy(source, config, policy,
+                                            replace(settings, admission=admission),
+                                            progress).result
+                    except PoolTooSmallError as err:
+                        cell.error = failure = err
+                        continue
+                    cell.row = {"policy": policy, "num_blocks": num_blocks,
+                                "hit_rate": round(result.hit_rate, 6),
+                                "hit_tokens": result.hit_tokens,
+                                "prompt_tokens": result.prompt_tokens,
+                                "preemptions": result.preemptions,
+                                "admission": admission,
+                                "wait_p50_steps": result.wait_p50_steps,
+                                "wait_p99_steps": result.wait_p99_steps,
+                                "wait_max_steps": result.wait_max_steps,
+                                "ceiling": round(ceiling, 6)}
     rows = [cell.row for cell in cells if cell.row is not None]
     render_sweep_table([(cell.policy, cell.num_blocks,
                          None if cell.row is None else float(str(cell.row["hit_rate"])))

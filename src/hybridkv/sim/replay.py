@@ -19,6 +19,8 @@ from hybridkv.config import CacheConfig
 from hybridkv.errors import HybridKVError, InvariantViolation, PoolTooSmallError
 from hybridkv.hashing import BlockHasher
 from hybridkv.ids import BlockHash
+from hybridkv.sim.bound import AdmissionLog, BoundShape, fa_optimum, hybrid_optimum
+from hybridkv.sim.misses import MissCauses, ObservedManager
 from hybridkv.sim.scheduler import SchedRequest, Scheduler
 from hybridkv.sim.trace import (
     OUTPUT_TOKEN_BASE,
@@ -41,6 +43,8 @@ class ReplaySettings:
     reserve_full_prompt: bool = True
     lookahead_requests: int = 256
     check_invariants: bool = False
+    admission: str = "fcfs"
+    """Admission order (``sim.admission.ORDERS``); ``fcfs`` is the protocol."""
 
 
 @dataclass(slots=True)
@@ -74,23 +78,83 @@ class RunResult:
     hash_seconds: float = 0.0
     wall_seconds: float = 0.0
     by_tag: dict[str, TagTotals] = field(default_factory=dict)
+    admission: str = "fcfs"
+    scheduler_seconds: float = 0.0
+    """Wall time inside the scheduler's ``schedule``/``update`` (manager calls included,
+    prompt hashing excluded): the "manager + scheduler" cost of an admission order."""
+    wait_steps: list[int] = field(default_factory=list)
+    """Per request, steps from eligibility to first admission (trace order)."""
+
+    @property
+    def wait_p50_steps(self) -> float:
+        return percentile(self.wait_steps, 50)
+
+    @property
+    def wait_p99_steps(self) -> float:
+        return percentile(self.wait_steps, 99)
+
+    @property
+    def wait_max_steps(self) -> int:
+        return max(self.wait_steps, default=0)
+    misses: MissCauses = field(default_factory=MissCauses)
+    """Missed prompt tokens (first admissions) by cause (``hybridkv.sim.misses``)."""
+    misses_by_tag: dict[str, MissCauses] = field(default_factory=dict)
+    log: AdmissionLog | None = None
+    """The admissions, for the offline bounds (dropped once they are computed)."""
+    bound_hit_tokens: int | None = None
+    """Hit tokens of ``bound`` for this run's admissions (``attach_bounds``)."""
+    bound_fa_hit_tokens: int | None = None
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def bound(self) -> float | None:
+        """``bound`` as a rate of this run's prompt tokens (``None`` when not computed)."""
+        if self.bound_hit_tokens is None:
+            return None
+        return self.bound_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def bound_fa(self) -> float | None:
+        if self.bound_fa_hit_tokens is None:
+            return None
+        return self.bound_fa_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def merge(self, other: RunResult) -> None:
         """Accumulate another run's counters (used for multi-scenario workloads)."""
         for name in ("requests", "prompt_tokens", "hit_tokens", "preemptions",
                      "preempted_hit_tokens", "bridge_tokens", "steps", "evicted_blocks"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("manager_seconds", "hash_seconds", "wall_seconds"):
+        for name in ("manager_seconds", "hash_seconds", "wall_seconds", "scheduler_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.wait_steps = self.wait_steps + other.wait_steps
+        self.misses.add(other.misses)
+        for tag, causes in other.misses_by_tag.items():
+            self.misses_by_tag.setdefault(tag, MissCauses()).add(causes)
+        for name in ("bound_hit_tokens", "bound_fa_hit_tokens"):
+            mine_value, theirs = getattr(self, name), getattr(other, name)
+            if theirs is not None:
+                setattr(self, name, (mine_value or 0) + theirs)
         for tag, totals in other.by_tag.items():
             mine = self.by_tag.setdefault(tag, TagTotals())
             mine.requests += totals.requests
             mine.prompt_tokens += totals.prompt_tokens
             mine.hit_tokens += totals.hit_tokens
+
+
+def percentile(values: Sequence[int], pct: float) -> float:
+    """Nearest-rank percentile (0 for no values).
+
+    >>> percentile([5, 1, 3, 2, 4], 50), percentile(list(range(1, 101)), 99), percentile([], 99)
+    (3, 99, 0)
+    """
+    if not values:
+        return 0
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * pct // 100))
+    return ordered[int(rank) - 1]
 
 
 class LazyPrompt(Sequence[int]):
@@ -161,7 +225,8 @@ class _PromptHasher:
     def for_request(self, request: TraceRequest,
                     ) -> Callable[[Sequence[int]], list[BlockHash] | None] | None:
         if request.token_ids is not None or request.token_id_ranges or \
-                not request.trace_block_size or request.trace_block_size % self._hasher.block_size:
+                not request.trace_block_size or request.trace_block_size % self._hasher.block_size \
+                or self._hasher.lookahead_tokens:  # EAGLE lookahead: the manager hashes
             return None
 
         def hash_prompt(tokens: Sequence[int]) -> list[BlockHash] | None:
@@ -261,11 +326,15 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
     """Replay ``trace`` under ``policy`` and return its counters."""
     started = time.perf_counter()
     settings = settings or ReplaySettings()
-    manager = KVCacheManager(config, policy)
+    manager = ObservedManager(
+        config, policy, {r.request_id: i for i, r in enumerate(trace.requests)},
+        {r.request_id: r.input_length + len(r.output_token_ids or ()) for r in trace.requests},
+        {r.request_id: r.tag or "all" for r in trace.requests})
     scheduler = Scheduler(manager, max_running=settings.max_running,
                           chunk_size=settings.chunk_size,
                           reserve_full_prompt=settings.reserve_full_prompt,
-                          lookahead_requests=settings.lookahead_requests)
+                          lookahead_requests=settings.lookahead_requests,
+                          admission=settings.admission)
     sched_requests: list[SchedRequest] = []
     prompt_hasher = _PromptHasher(manager.hasher)
     for index, request in enumerate(trace.requests):
@@ -297,6 +366,10 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
             progress(num_finished, num_requests)
     result = _collect(policy, config, manager, scheduler, sched_requests, started)
     result.hash_seconds += prompt_hasher.seconds
+    result.scheduler_seconds = scheduler.seconds - result.hash_seconds
+    result.misses = manager.misses
+    result.misses_by_tag = manager.misses_by_tag
+    result.log = manager.log
     return result
 
 
@@ -324,6 +397,17 @@ def no_progress_error(trace: Trace, policy: str, config: CacheConfig, manager: K
                              config.num_blocks)
 
 
+def attach_bounds(result: RunResult, trace: Trace, config: CacheConfig) -> None:
+    """Compute ``bound`` and ``bound_fa`` for the admissions ``result`` logged (its
+    ``bound_hit_tokens`` / ``bound_fa_hit_tokens``; ``None`` without full attention), then
+    drop the log. Costs about two full-attention Belady passes over the trace."""
+    shape = BoundShape.of(config)
+    if shape is not None and result.log is not None:
+        result.bound_hit_tokens = hybrid_optimum(trace, result.log, shape).hit_tokens
+        result.bound_fa_hit_tokens = fa_optimum(trace, result.log, shape).hit_tokens
+    result.log = None
+
+
 def _collect(policy: str, config: CacheConfig, manager: KVCacheManager, scheduler: Scheduler,
              sched_requests: Sequence[SchedRequest], started: float) -> RunResult:
     stats = manager.stats
@@ -334,8 +418,11 @@ def _collect(policy: str, config: CacheConfig, manager: KVCacheManager, schedule
         bridge_tokens=stats.bridge_tokens,
         steps=scheduler.num_steps, evicted_blocks=sum(stats.evicted_blocks_by_group),
         manager_seconds=manager.manager_seconds, hash_seconds=manager.hash_seconds,
+        admission=scheduler.admission.name,
     )
     for request in sched_requests:
+        assert request.admitted_step is not None and request.eligible_step is not None
+        result.wait_steps.append(request.admitted_step - request.eligible_step)
         totals = result.by_tag.setdefault(request.tag or "all", TagTotals())
         totals.requests += 1
         totals.prompt_tokens += len(request.prompt_token_ids)

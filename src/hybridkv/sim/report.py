@@ -11,7 +11,24 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridkv.sim.limits import format_bytes
+from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.replay import RunResult, TagTotals
+
+REPORT_HELP = """\
+Columns: hit rate = prompt tokens served from the cache at first admission.
+bound = hybrid-aware offline optimum: Belady MIN over full-attention hit units with, at each
+admission, the capacity left after the blocks then held that are not full-attention prompt
+KV (running requests' window / chunked / other state, the admitted request's window tail
+at its hit point, decode and partial blocks). bound_fa = the same over full-attention
+blocks only with the whole pool (the peer simulators' "optimal"); bound <= bound_fa.
+Both are upper bounds for the admission order the run used (each run's own: the order
+changes the access sequence, so a cache-aware admission order can beat them); the report
+line shows the largest per-run value. ceiling = infinite cache.
+Miss causes (share of missed prompt tokens, each counted once, adding to 100%):
+cold = never seen before; evicted = its full-attention chain was cached and evicted;
+tail = full-attention KV resident but a window tail / state checkpoint was not;
+align = seen, but below the alignment unit (or the always-computed last token);
+admit = never cached (not cached by the policy, or still being computed)."""
 
 
 @dataclass(slots=True)
@@ -30,8 +47,10 @@ class Report:
     runs: list[PolicyRun]
     settings: dict[str, object] = field(default_factory=dict)
     bound: float | None = None
-    """Offline optimum at this pool's token capacity (``hybridkv.sim.bound``); ``None``
-    for models without a full-attention group."""
+    """Largest per-run hybrid-aware offline bound (``hybridkv.sim.bound``); ``None`` for
+    models without a full-attention group."""
+    bound_fa: float | None = None
+    """Largest per-run full-attention-only bound."""
 
     def to_json(self) -> dict[str, object]:
         """The ``--json`` document: ``trace``, ``model``, ``ceiling``, ``runs``."""
@@ -49,7 +68,8 @@ class Report:
                 }
             runs.append(item)
         return {"trace": self.trace, "model": self.model, "ceiling": self.ceiling,
-                "bound": self.bound, "settings": self.settings, "runs": runs}
+                "bound": self.bound, "bound_fa": self.bound_fa, "settings": self.settings,
+                "runs": runs}
 
     def write_json(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
@@ -62,6 +82,7 @@ def _tag(result: RunResult, tag: str) -> TagTotals:
 def _run_json(result: RunResult) -> dict[str, object]:
     return {
         "policy": result.policy,
+        "admission": result.admission,
         "num_blocks": result.num_blocks,
         "requests": result.requests,
         "prompt_tokens": result.prompt_tokens,
@@ -76,31 +97,57 @@ def _run_json(result: RunResult) -> dict[str, object]:
         "manager_seconds": round(result.manager_seconds, 4),
         "hash_seconds": round(result.hash_seconds, 4),
         "wall_seconds": round(result.wall_seconds, 4),
+        "scheduler_seconds": round(result.scheduler_seconds, 4),
+        "wait_steps": {"p50": result.wait_p50_steps, "p99": result.wait_p99_steps,
+                       "max": result.wait_max_steps},
+        "bound": result.bound,
+        "bound_fa": result.bound_fa,
+        "bound_hit_tokens": result.bound_hit_tokens,
+        "bound_fa_hit_tokens": result.bound_fa_hit_tokens,
+        "miss_tokens": result.misses.as_dict(),
+        "miss_shares": {k: round(v, 6) for k, v in result.misses.shares().items()},
     }
 
 
+def _rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.2f}%"
+
+
+_CAUSE_LABELS = {"cold": "cold", "evicted": "evicted", "tail": "tail", "alignment": "align",
+                 "admission": "admit"}
+
+
 def render_table(report: Report, console: Console) -> None:
-    """Print the policy comparison table (best hit rate marked)."""
+    """Print the policy comparison table (best hit rate marked), with the miss causes."""
     table = Table(title=f"{report.trace} on {report.model}", title_justify="left")
-    for name in ("policy", "hit rate", "bound", "ceiling", "hit tokens", "prompt tokens",
-                 "preemptions", "manager s", "wall s"):
-        table.add_column(name, justify="left" if name == "policy" else "right")
+    for name in ("policy", "admission", "hit rate", "bound", "bound_fa", "ceiling",
+                 *(_CAUSE_LABELS[c] for c in MISS_CAUSES), "hit tokens", "prompt tokens",
+                 "preemptions", "wait p50/p99/max steps", "manager s", "sched s", "wall s"):
+        table.add_column(name, justify="left" if name in ("policy", "admission") else "right",
+                         no_wrap=name == "policy")
     best = max((r.result.hit_rate for r in report.runs), default=0.0)
     for run in report.runs:
         r = run.result
         mark = " *" if report.runs and r.hit_rate == best and len(report.runs) > 1 else ""
-        bound = "n/a" if report.bound is None else f"{100 * report.bound:.2f}%"
-        table.add_row(f"{r.policy}{mark}", f"{100 * r.hit_rate:.2f}%", bound,
-                      f"{100 * report.ceiling:.2f}%", f"{r.hit_tokens:,}",
-                      f"{r.prompt_tokens:,}", str(r.preemptions),
-                      f"{r.manager_seconds:.2f}", f"{r.wall_seconds:.2f}")
+        shares = r.misses.shares()
+        table.add_row(f"{r.policy}{mark}", r.admission, f"{100 * r.hit_rate:.2f}%",
+                      _rate(r.bound), _rate(r.bound_fa), f"{100 * report.ceiling:.2f}%",
+                      *(f"{100 * shares[c]:.1f}%" for c in MISS_CAUSES),
+                      f"{r.hit_tokens:,}", f"{r.prompt_tokens:,}", str(r.preemptions),
+                      f"{r.wait_p50_steps:,.0f} / {r.wait_p99_steps:,.0f} / "
+                      f"{r.wait_max_steps:,}",
+                      f"{r.manager_seconds:.2f}", f"{r.scheduler_seconds:.2f}",
+                      f"{r.wall_seconds:.2f}")
     console.print(table)
     pool = pool_line(report.settings)
     if pool:
         console.print(pool)
-    console.print("bound: offline optimum (Belady MIN over chained full-attention blocks at "
-                  "this pool's token capacity; ignores window KV and running requests) — "
-                  "ceiling: infinite cache. * = best policy.", style="dim")
+    console.print(f"bound {_rate(report.bound)} (hybrid-aware), bound_fa "
+                  f"{_rate(report.bound_fa)} (full-attention blocks only): offline optima "
+                  "for each run's admission order; cold … admit: shares of the missed "
+                  "tokens (hybridkv replay --help). * = best policy. wait: steps from "
+                  "eligibility to first admission (the replay has no time model); sched s: "
+                  "manager + scheduler time.", style="dim")
     if any(run.fractions for run in report.runs):
         _render_fractions(report, console)
 
@@ -148,8 +195,15 @@ def _render_fractions(report: Report, console: Console) -> None:
     for run in report.runs:
         cells = [f"{100 * _tag(run.fractions[f], 'replay').hit_rate:.1f}"
                  for f in fractions]
-        table.add_row(run.result.policy, *cells)
+        table.add_row(_label(run.result), *cells)
     console.print(table)
+
+
+def _label(result: RunResult) -> str:
+    """Policy name, with the admission order unless it is the protocol's ``fcfs``."""
+    if result.admission == "fcfs":
+        return result.policy
+    return f"{result.policy} [{result.admission}]"
 
 
 def plot_policies(report: Report, path: Path, *, format: str | None = None) -> None:
@@ -160,26 +214,53 @@ def plot_policies(report: Report, path: Path, *, format: str | None = None) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, causes_ax) = plt.subplots(1, 2, figsize=(14, 4.5))
     if any(run.fractions for run in report.runs):
         for run in report.runs:
             xs = [float(f) for f in run.fractions]
             ys = [100 * _tag(r, "replay").hit_rate for r in run.fractions.values()]
-            ax.plot(xs, ys, marker="o", label=run.result.policy)
+            ax.plot(xs, ys, marker="o", label=_label(run.result))
         ax.set_xlabel("replayed prompt fraction f")
         ax.legend(fontsize=8)
     else:
-        names = [run.result.policy for run in report.runs]
+        names = [_label(run.result) for run in report.runs]
         values = [100 * run.result.hit_rate for run in report.runs]
         ax.bar(names, values, color="tab:blue")
         ax.axhline(100 * report.ceiling, color="tab:red", linestyle="--", label="ceiling")
+        for value, label, style in ((report.bound, "bound", ":"),
+                                    (report.bound_fa, "bound_fa", "-.")):
+            if value is not None:
+                ax.axhline(100 * value, color="tab:green", linestyle=style, label=label)
         ax.legend(fontsize=8)
         ax.tick_params(axis="x", rotation=30)
     ax.set_ylabel("prefix-cache hit rate (%)")
     ax.set_title(f"{report.trace} on {report.model}")
+    plot_miss_causes(causes_ax, report.runs)
     fig.tight_layout()
     fig.savefig(path, dpi=120, format=format)
     plt.close(fig)
+
+
+def plot_miss_causes(ax: object, runs: Sequence[PolicyRun]) -> None:
+    """Stacked bars per policy: hit tokens, then each miss cause, as shares of the prompt
+    tokens (each bar adds up to 100%)."""
+    names = [run.result.policy for run in runs]
+    bottoms = [0.0] * len(runs)
+    colors = {"hit": "tab:blue", "cold": "tab:gray", "evicted": "tab:red",
+              "tail": "tab:orange", "alignment": "tab:purple", "admission": "tab:brown"}
+    for part in ("hit", *MISS_CAUSES):
+        heights = []
+        for run in runs:
+            r = run.result
+            tokens = r.hit_tokens if part == "hit" else getattr(r.misses, part)
+            heights.append(100 * tokens / r.prompt_tokens if r.prompt_tokens else 0.0)
+        ax.bar(names, heights, bottom=bottoms, color=colors[part],  # type: ignore[attr-defined]
+               label=part)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    ax.set_ylabel("share of prompt tokens (%)")  # type: ignore[attr-defined]
+    ax.set_title("hits and miss causes")  # type: ignore[attr-defined]
+    ax.tick_params(axis="x", rotation=30)  # type: ignore[attr-defined]
+    ax.legend(fontsize=8)  # type: ignore[attr-defined]
 
 
 def plot_sweep(rows: Sequence[Mapping[str, object]], ceiling: float, title: str,
@@ -191,11 +272,14 @@ def plot_sweep(rows: Sequence[Mapping[str, object]], ceiling: float, title: str,
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    policies = list(dict.fromkeys(str(row["policy"]) for row in rows))
-    for policy in policies:
+    keys = list(dict.fromkeys((str(row["policy"]), str(row.get("admission", "fcfs")))
+                              for row in rows))
+    for policy, admission in keys:
         points = sorted((int(str(row["num_blocks"])), 100 * float(str(row["hit_rate"])))
-                        for row in rows if row["policy"] == policy)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
+                        for row in rows if row["policy"] == policy
+                        and str(row.get("admission", "fcfs")) == admission)
+        label = policy if admission == "fcfs" else f"{policy} [{admission}]"
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
     ax.axhline(100 * ceiling, color="tab:red", linestyle="--", label="ceiling")
     ax.set_xlabel("pool size (blocks)")
     ax.set_ylabel("prefix-cache hit rate (%)")
