@@ -209,10 +209,14 @@ class PagedRows:
         self.layers = tuple(layers)
         self.location: dict[int, tuple[int, int]] = {}
         for group in config.groups:
-            for slot, cache_layer in enumerate(group.layer_ids):
+            # block-outermost packed groups list a spec per member (``hybridkv.packing``)
+            member_specs = getattr(group, "layer_specs", ()) or (group.spec,) * len(
+                group.layer_ids)
+            for slot, (cache_layer, spec) in enumerate(zip(group.layer_ids, member_specs,
+                                                           strict=True)):
                 self.location[cache_layer] = (group.group_id, slot)
-                if group.spec != self.layers[cache_layer].spec:
-                    raise ConfigError("cache_config", group.spec,
+                if spec != self.layers[cache_layer].spec:
+                    raise ConfigError("cache_config", spec,
                                       f"cache layer {cache_layer} has spec "
                                       f"{self.layers[cache_layer].spec}")
         if sorted(self.location) != list(range(len(self.layers))):
