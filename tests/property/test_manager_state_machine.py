@@ -91,6 +91,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.lifetime: dict[str, int] = {}
         self.num_admissions = 0
         self.num_drops = 0
+        self.dropped: set[int] = set()
+        """Blocks ``evict_prefix`` unhashed while a request held them (until reused)."""
         """Engine-requested hash drops (``evict_prefix``, ``reset_prefix_cache``): they end
         retention promises like evictions do."""
         self.evictions_at_admission: dict[str, int] = {}
@@ -117,6 +119,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for group_ids in new_block_ids:
             for block_id in group_ids:
                 self.content[block_id] = None
+                self.dropped.discard(block_id)
                 self.drafter_next[block_id] = None
         tokens = self.tokens(req_id)
         self.sequences[req_id] = tokens[:end]  # computed prefixes seed later prompts
@@ -202,6 +205,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 table = managers[group_id].tables[req_id]
                 for idx in needed_blocks(spec, b):
                     block = table[idx]
+                    if block.block_id in self.dropped:
+                        continue  # the engine dropped its hash (evict_prefix)
                     assert not block.is_null and block.block_hash is not None, (
                         f"policy {self.setup_.policy}: group {group_id} block {idx} is needed "
                         f"at boundary {b} but was not hashed")
@@ -424,6 +429,7 @@ class ManagerMachine(RuleBasedStateMachine):
             hashed_before - doomed
         if dropped:
             self.num_drops += 1
+            self.dropped |= doomed
             event("evict_prefix dropped blocks")
 
     @rule(go=st.integers(0, 9))
