@@ -79,7 +79,7 @@ class RunResult:
     by_tag: dict[str, TagTotals] = field(default_factory=dict)
     admission: str = "fcfs"
     scheduler_seconds: float = 0.0
-    """Wall time inside the scheduler's ``schedule``/``update`` (manager calls included,
+    """CPU seconds inside the scheduler's ``schedule``/``update`` (manager calls included,
     prompt hashing excluded): the "manager + scheduler" cost of an admission order."""
     wait_steps: list[int] = field(default_factory=list)
     """Per request, steps from eligibility to first admission (trace order)."""
@@ -368,7 +368,7 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
             progress(num_finished, num_requests)
     result = _collect(policy, config, manager, scheduler, sched_requests, started)
     result.hash_seconds += prompt_hasher.seconds
-    result.scheduler_seconds = scheduler.seconds - result.hash_seconds
+    result.scheduler_seconds = scheduler.seconds
     result.misses = manager.misses
     result.misses_by_tag = manager.misses_by_tag
     result.log = manager.log
