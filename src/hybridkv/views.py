@@ -31,17 +31,20 @@ class BlockView:
 
     ``is_null``: the table position needs no KV (block 0); ``block_hash`` /
     ``hash_group_id``: the prefix hash it was cached under and its group (``None`` when
-    unhashed).
+    unhashed); ``ref_count``: requests holding it while the hit is valid (0: free, so it
+    can be evicted before the admission takes it).
     """
 
     block_id: int
     is_null: bool
     block_hash: BlockHash | None
     hash_group_id: int | None
+    ref_count: int
 
     @classmethod
     def of(cls, block: Block) -> BlockView:
-        return cls(block.block_id, block.is_null, block.block_hash, block.hash_group_id)
+        return cls(block.block_id, block.is_null, block.block_hash, block.hash_group_id,
+                   block.ref_count)
 
 
 @dataclass(frozen=True, slots=True)
