@@ -344,13 +344,6 @@ class VllmManager:
         request.num_computed_tokens += num_hit + num_new_tokens
         return result
 
-    def align_prefill_chunk(self, req_id: str, num_new_tokens: int, hit: VllmHit | None = None,
-                            *, max_chunk_tokens: int | None = None) -> int:
-        """Chunks are not clipped: no recurrent groups here (the scheduler asks every
-        manager; vLLM's Mamba "align" clipping lives in its scheduler, not in the manager)."""
-        del req_id, hit, max_chunk_tokens
-        return num_new_tokens
-
     def free(self, req_id: str) -> None:
         """Preemption: free all blocks, reset progress (vLLM ``_preempt_request``)."""
         request = self._requests[req_id]
