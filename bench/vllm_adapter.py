@@ -33,12 +33,13 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request, RequestStatus
 
 from hybridkv.config import CacheConfig
-from hybridkv.specs import ChunkedLocalSpec, LayerSpec
+from hybridkv.specs import ChunkedLocalSpec, LayerSpec, RecurrentStateSpec, page_bytes
 from hybridkv.specs import SlidingWindowSpec as OurSlidingWindowSpec
 
 DEFAULT_MAX_MODEL_LEN = 1 << 25
@@ -61,12 +62,20 @@ def retention_interval(policy: str) -> int | None:
                      "(use prepend, latest or interval:N)")
 
 
-def _vllm_spec(spec: LayerSpec) -> Any:
+def _vllm_spec(spec: LayerSpec, padded_page_bytes: int | None = None) -> Any:
     """One of our layer specs as the vLLM spec with the same block/window shape.
 
     Page bytes follow our ``kv_bytes_per_token`` (one 1-byte "head" of K and V halves), so
     pages match ours; hit rates do not depend on them.
     """
+    if isinstance(spec, RecurrentStateSpec):
+        # one int8 tensor of the checkpoint's bytes: the page equals ours
+        # (padded to the pool's page, as vLLM's _align_hybrid_block_size pads it)
+        padded = padded_page_bytes if padded_page_bytes and \
+            padded_page_bytes > spec.state_bytes else None
+        return MambaSpec(block_size=spec.block_size, shapes=((spec.state_bytes,),),
+                         dtypes=(torch.int8,), mamba_cache_mode="align",
+                         page_size_padded=padded)
     kv_bytes = spec.kv_bytes_per_token
     common: dict[str, Any] = {
         "block_size": spec.block_size,
@@ -81,13 +90,31 @@ def _vllm_spec(spec: LayerSpec) -> Any:
     return FullAttentionSpec(**common)
 
 
-def vllm_kv_cache_config(config: CacheConfig, policy: str) -> KVCacheConfig:
-    """A vLLM ``KVCacheConfig`` with the same groups (order, specs, layers) and pool size."""
-    groups = [
+def vllm_kv_cache_groups(config: CacheConfig) -> list[KVCacheGroupSpec]:
+    """Our groups (order, layers) as vLLM groups with the same pages."""
+    largest_page = max(page_bytes(g.spec) for g in config.groups)
+    return [
         KVCacheGroupSpec([f"model.layers.{i}.attn" for i in group.layer_ids],
-                         _vllm_spec(group.spec))
+                         _vllm_spec(group.spec, largest_page))
         for group in config.groups
     ]
+
+
+def vllm_num_blocks_for_memory(config: CacheConfig, num_bytes: int) -> int:
+    """The pool size vLLM 0.33 plans for ``num_bytes`` of KV memory: its own bytes per block
+    (``kv_cache_planning._get_kv_cache_bytes_per_block``, layer-outer layout, the default)
+    and ``available_memory // bytes_per_block`` (``get_kv_cache_config_from_groups``)."""
+    from vllm.v1.core.kv_cache_planning import _get_kv_cache_bytes_per_block
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    bytes_per_block = _get_kv_cache_bytes_per_block(vllm_kv_cache_groups(config),
+                                                    KVCacheLayout.LBHNC)
+    return int(num_bytes // bytes_per_block)
+
+
+def vllm_kv_cache_config(config: CacheConfig, policy: str) -> KVCacheConfig:
+    """A vLLM ``KVCacheConfig`` with the same groups (order, specs, layers) and pool size."""
+    groups = vllm_kv_cache_groups(config)
     sizes = [g.spec.block_size for g in config.groups]
     return KVCacheConfig(
         num_blocks=config.num_blocks,
@@ -141,6 +168,24 @@ class VllmManager:
             enable_caching=config.enable_caching,
             log_stats=True,
         )
+        self._max_in_flight_tokens = config.max_num_batched_tokens
+        self._mamba_split: Any = None
+        self._mamba_split_self: Any = None
+        mamba_sizes = [g.spec.block_size for g in config.groups
+                       if isinstance(g.spec, RecurrentStateSpec)]
+        if mamba_sizes:
+            from types import SimpleNamespace
+
+            from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+            self._mamba_split = VllmScheduler._mamba_block_aligned_split
+            self._mamba_split_self = SimpleNamespace(
+                cache_config=SimpleNamespace(block_size=mamba_sizes[0]),
+                hash_block_size=self.hash_block_size, block_size=self.scheduler_block_size,
+                mamba_partial_cache_hit=False, use_eagle_block_drop=False,
+                num_hash_lookahead_tokens=0, mamba_has_prefill_checkpoint_blocks=False,
+                mamba_prefill_checkpoint_alignment=None, mamba_shared_prefix_checkpoint=False,
+                max_num_scheduled_tokens=config.max_num_batched_tokens,
+                scheduler_config=SimpleNamespace(long_prefill_token_threshold=0))
         self._sampling = SamplingParams(max_tokens=1 << 30)
         self._requests: dict[str, Request] = {}
         self.manager_seconds = 0.0
@@ -230,6 +275,23 @@ class VllmManager:
         started = time.perf_counter()
         self.kv.new_step_starts()
         self.manager_seconds += time.perf_counter() - started
+
+    def align_prefill_chunk(self, req_id: str, num_new_tokens: int,
+                            hit: VllmHit | None = None, *,
+                            max_chunk_tokens: int | None = None) -> int:
+        """vLLM's own ``Scheduler._mamba_block_aligned_split`` (models with Mamba groups in
+        align mode; unchanged otherwise), run on a stand-in for the scheduler's fields with
+        vLLM's defaults: no fine-grained hash hits, no internal prefill checkpoints, no
+        shared-prefix checkpoint, no EAGLE drop, no long-prefill threshold."""
+        if self._mamba_split is None:
+            return num_new_tokens
+        request = self._requests[req_id]
+        admitting = request.status != RequestStatus.RUNNING
+        num_hit = hit.num_tokens if (admitting and hit is not None) else 0
+        self._mamba_split_self.max_num_scheduled_tokens = (
+            max_chunk_tokens or self._max_in_flight_tokens)
+        # scheduler work, not manager work: not in manager_seconds (nor is ours)
+        return int(self._mamba_split(self._mamba_split_self, request, num_new_tokens, num_hit))
 
     # ----------------------------------------------------------------- queries
     def num_tokens(self, req_id: str) -> int:
