@@ -319,12 +319,14 @@ class KVCacheManager:
             if need > self.pool.num_free_blocks:
                 return None
         num_slots = self._cap_len(num_computed + num_new_tokens + num_lookahead_tokens)
+        num_main = self._cap_len(num_computed + num_new_tokens)
         if admitting:
             need = coordinator.num_blocks_to_allocate(
-                req_id, num_slots, hit_tables, num_computed, apply_admission_cap=False)
+                req_id, num_slots, hit_tables, num_computed, apply_admission_cap=False,
+                num_main_tokens=num_main)
         else:
             coordinator.remove_skipped_blocks(req_id, num_computed)
-            need = coordinator.num_blocks_to_grow(req_id, num_slots)
+            need = coordinator.num_blocks_to_grow(req_id, num_slots, num_main)
         if need and need > self.pool.num_free_blocks:
             return None
         if admitting:
@@ -332,7 +334,7 @@ class KVCacheManager:
             self._record_admission(state, num_hit, hit_tables, hit)
         if need or admitting:
             new_blocks: Sequence[Sequence[Block]] = coordinator.allocate_new_blocks(
-                req_id, num_slots)
+                req_id, num_slots, num_main)
         else:
             new_blocks = self._no_new_blocks
         state.num_computed_tokens = num_computed + num_new_tokens

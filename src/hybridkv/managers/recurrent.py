@@ -51,6 +51,7 @@ class RecurrentStateManager(GroupManager):
     batches_siblings: ClassVar[bool] = False
     eagle_margin: ClassVar[bool] = False
     has_step_state: ClassVar[bool] = True
+    ignores_lookahead: ClassVar[bool] = True
 
     def __init__(self, group: CacheGroup, pool: BlockPool, retention: RetentionPolicy,
                  *, alignment_tokens: int, use_eagle: bool) -> None:
@@ -196,12 +197,14 @@ class RecurrentStateManager(GroupManager):
         table = self.tables.get(req_id)
         if not table:
             return
-        written = self._state_tokens.setdefault(req_id, {})
-        if not written:
-            for i, block in enumerate(table):
-                if not block.is_null:  # the hit checkpoint
-                    written[i] = (i + 1) * self.block_size
-        written[len(table) - 1] = num_computed_tokens
+        self._state_tokens.setdefault(req_id, {})[len(table) - 1] = num_computed_tokens
+
+    def add_hit_blocks(self, req_id: ReqId, hit_blocks: Sequence[Block], num_hit_tokens: int,
+                       ) -> None:
+        """Start the table from the hit checkpoint: the state after its own end."""
+        super().add_hit_blocks(req_id, hit_blocks, num_hit_tokens)
+        if hit_blocks:
+            self._state_tokens[req_id] = {len(hit_blocks) - 1: len(hit_blocks) * self.block_size}
 
     def cache_plan(self, req_id: ReqId, hashes: Sequence[BlockHash], hash_block_size: int,
                    num_tokens: int, boundaries: Sequence[int], bridge_end_tokens: int = 0,
