@@ -34,6 +34,7 @@ from hybridkv.errors import (
 from hybridkv.eviction import EvictionOptions, EvictionPolicy, parse_eviction
 from hybridkv.hashing import BlockHasher, ExtraKeys
 from hybridkv.ids import BlockHash, ReqId
+from hybridkv.managers.recurrent import CHUNK_CHECKPOINTS, parse_checkpoint_policy
 from hybridkv.policies import (
     PrependPolicy,
     RetentionPolicy,
@@ -141,11 +142,17 @@ class KVCacheManager:
                  eviction: EvictionOptions | None = None) -> None:
         self.recompute = False
         """Window-recompute partial hits (policy modifier ``+recompute``)."""
+        self.checkpoints = CHUNK_CHECKPOINTS
+        """Where recurrent groups write checkpoints (modifier ``+ckpt:chunk|block``)."""
         if isinstance(retention, str):
             retention_name, modifiers = split_policy_name(retention)
             policy = make_retention_policy(retention_name)
             self.recompute = "recompute" in modifiers
             modifiers = [m for m in modifiers if m != "recompute"]
+            checkpoints = [m for m in modifiers if m.startswith("ckpt:")]
+            modifiers = [m for m in modifiers if not m.startswith("ckpt:")]
+            if checkpoints:
+                self.checkpoints = parse_checkpoint_policy(checkpoints[-1])
             if modifiers:
                 eviction = parse_eviction(modifiers)
         else:
@@ -161,13 +168,16 @@ class KVCacheManager:
             f"{policy.name}+{eviction.name}"
         if self.recompute:
             self.policy_name += "+recompute"
+        if self.checkpoints != CHUNK_CHECKPOINTS:
+            self.policy_name += f"+{self.checkpoints}"
         chain_group = next((g.group_id for g in config.groups
                             if g.spec.kind == "full_attention"), None)
         evictor = None if eviction.name == "lru" else \
             EvictionPolicy(eviction, config.num_blocks, chain_group)
         self.pool = BlockPool(config.num_blocks, len(config.groups), evictor)
         self.coordinator = HybridCoordinator(config, self.pool, policy,
-                                             chain_group if eviction.chain else None)
+                                             chain_group if eviction.chain else None,
+                                             checkpoints=self.checkpoints)
         self.hasher = BlockHasher(config.hash_block_size, config.hash_algo,
                                   config.hash_lookahead_tokens)
         self._lookahead = config.hash_lookahead_tokens

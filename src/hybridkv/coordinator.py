@@ -21,7 +21,12 @@ from hybridkv.errors import ConfigError
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers import MANAGER_FOR_SPEC, GroupManager, coarse_hashes
 from hybridkv.managers.chunked import ChunkedLocalManager
-from hybridkv.managers.recurrent import RecurrentStateManager, align_recurrent_chunk
+from hybridkv.managers.recurrent import (
+    BLOCK_CHECKPOINTS,
+    CHUNK_CHECKPOINTS,
+    RecurrentStateManager,
+    align_recurrent_chunk,
+)
 from hybridkv.policies import RetentionPolicy
 from hybridkv.pool import BlockPool
 from hybridkv.siblings import SiblingBatch
@@ -61,7 +66,8 @@ class HybridCoordinator:
     """Owns one ``GroupManager`` per cache group over one shared ``BlockPool``."""
 
     def __init__(self, config: CacheConfig, pool: BlockPool, retention: RetentionPolicy,
-                 chain_group_id: GroupId | None = None) -> None:
+                 chain_group_id: GroupId | None = None, *,
+                 checkpoints: str = CHUNK_CHECKPOINTS) -> None:
         self.config = config
         self.pool = pool
         self.retention = retention
@@ -102,7 +108,10 @@ class HybridCoordinator:
                 manager.chain_block_size = chain_block_size
                 manager.is_chain_reference = manager.group_id == chain_group_id
         self._step_managers = [m for m in self.managers if m.has_step_state]
-        self._recurrent_block_size = next(
+        for manager in self.managers:
+            if isinstance(manager, RecurrentStateManager):
+                manager.every_block = checkpoints == BLOCK_CHECKPOINTS
+        self._recurrent_block_size = None if checkpoints == BLOCK_CHECKPOINTS else next(
             (m.block_size for m in self.managers if isinstance(m, RecurrentStateManager)),
             None)
         self._caps = [

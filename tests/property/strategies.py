@@ -119,6 +119,9 @@ def hybrid_setups(draw: st.DrawFn, *, typical_tokens: int = 24) -> HybridSetup:
         policy = f"pin:{draw(st.sampled_from((2, 8, 32)))}"
     else:
         policy = kind
+    if kind in ("prepend", "latest") and any(isinstance(s, RecurrentStateSpec) for s in layers) \
+            and draw(st.booleans()):
+        policy += "+ckpt:block"  # a checkpoint at every block end (not vLLM's chunk ends)
     groups = CacheConfig.from_layers(layers, 2).groups
     has_chunked = any(isinstance(s, ChunkedLocalSpec) for s in layers)
     use_eagle = draw(st.integers(0, 2)) == 0

@@ -195,3 +195,25 @@ def test_recurrent_presets(name: str, block_size: int, groups: list[tuple[str, i
     assert config.bytes_per_block == bytes_per_block
     states = {g.spec.page_bytes for g in config.groups if isinstance(g.spec, RecurrentStateSpec)}
     assert max(states) <= bytes_per_block // len(config.groups[0].layer_ids)
+
+
+def test_block_checkpoints_keep_a_state_at_every_block_end_and_hit_there() -> None:
+    layers = [FullAttentionSpec(BS, 8), RecurrentStateSpec(BS, 32)]
+    m = KVCacheManager(CacheConfig.from_layers(layers, 64), "prepend+ckpt:block")
+    assert m.policy_name == "prepend+ckpt:block"
+    m.add_request("a", list(range(30)))
+    assert m.align_prefill_chunk("a", 30) == 30  # chunks are not clipped
+    m.new_step()
+    m.allocate_slots("a", 14)           # one chunk: states at 4, 8, 12 and 14
+    blocks = m.coordinator.managers[1].tables["a"]
+    assert [b.block_hash is not None for b in blocks] == [True, True, True, False]
+    m.add_request("b", list(range(10)) + [7] * 5)
+    m.new_step()
+    hit = m.find_longest_hit("b")
+    assert hit.num_tokens == 8 and hit.blocks[1][-1] is blocks[1]
+    m.new_step()
+    m.allocate_slots("a", 2)            # [14, 16): the block of 12..16 gets the state at 16
+    assert blocks[3].block_hash is not None
+    m.check_invariants()
+    with pytest.raises(ConfigError, match="checkpoint policy"):
+        KVCacheManager(CacheConfig.from_layers(layers, 64), "prepend+ckpt:sometimes")
