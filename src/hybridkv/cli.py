@@ -30,7 +30,8 @@ def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--trace", help="trace file or directory (Mooncake, WEKA, RAGPulse, native)")
     group.add_argument("--workload", help="synthetic workload: retention-microbench, agentic, "
-                       f"aba, shared-prefix (default: {DEFAULT_WORKLOAD})")
+                       f"aba, shared-prefix, shared-prefix-suffix, short-prompts "
+                       f"(default: {DEFAULT_WORKLOAD})")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="workload parameter (repeatable), e.g. --set num_sessions=8")
     parser.add_argument("--model", default=None,

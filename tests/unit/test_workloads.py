@@ -148,3 +148,16 @@ def test_make_workload_converts_strings_and_rejects_unknowns() -> None:
     assert retention_microbench_scenarios(num_prompts=1, prompt_tokens=10,
                                           fractions=(0.25,)).keys() == {"0.25"}
     assert len(DEFAULT_FRACTIONS) == 10
+
+
+def test_recurrent_report_workloads() -> None:
+    trace = make_workload("shared-prefix-suffix", num_prompts=6)
+    assert [r.input_length for r in trace.requests] == [6516, 6852, 7772, 6516, 6852, 7772]
+    prefix = trace.requests[0].token_ids[:6476]
+    assert all(r.token_ids[:6476] == prefix for r in trace.requests)
+    assert len({r.token_ids[6476] for r in trace.requests}) == 6  # unique suffixes
+    short = make_workload("short-prompts", num_prompts=10)
+    assert all(421 <= r.input_length <= 700 for r in short.requests)
+    assert len({r.token_ids[:400] for r in short.requests}) == 1
+    with pytest.raises(ConfigError, match="suffix_tokens"):
+        make_workload("shared-prefix-suffix", suffix_tokens="40,x")
