@@ -23,6 +23,7 @@ from hybridkv.engine import runner as runner_module  # noqa: E402
 from hybridkv.engine.recurrent import (  # noqa: E402
     Chunking,
     causal_conv,
+    chunk_loop,
     gated_delta_chunked,
     gated_delta_reference,
     random_inputs,
@@ -54,6 +55,29 @@ def test_chunked_matches_reference(seed: int) -> None:
     assert len(s) == len(s_ref) == len(stops)
     for got, ref in zip(s, s_ref, strict=True):
         assert (got - ref).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize(("stops", "chunk", "calls"), [
+    ([8, 16, 24, 29], 8, [[1, 2, 3, 4]]),    # block ends a chunk multiple: one pass
+    ([3, 11, 19, 20], 8, [[1], [1, 2, 3]]),  # an unaligned stop starts a new segment
+    ([6, 16, 32], 4, [[2], [3], [4]]),
+])
+def test_chunk_aligned_checkpoints_in_one_pass(stops: list[int], chunk: int,
+                                               calls: list[list[int]]) -> None:
+    """Stops a whole number of chunks into a segment are saved inside one hand-over."""
+    q, k, v, g, b, s0 = _inputs(11, stops[-1])
+    seen: list[list[int]] = []
+
+    def counting(chunks, state, saves):  # type: ignore[no-untyped-def]
+        seen.append(list(saves))
+        return chunk_loop(chunks, state, saves)
+
+    o_ref, s_ref = gated_delta_reference(q, k, v, g, b, s0, stops=stops)
+    o, s = gated_delta_chunked(q, k, v, g, b, s0, stops=stops,
+                               chunking=Chunking(chunk, counting))
+    assert (o - o_ref).abs().max() < 1e-12
+    assert all((x - y).abs().max() < 1e-12 for x, y in zip(s, s_ref, strict=True))
+    assert seen == calls
 
 
 def test_chunked_float32_is_close_and_a_wrong_state_is_not() -> None:
