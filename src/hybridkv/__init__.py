@@ -23,6 +23,7 @@ from hybridkv.specs import (
     ChunkedLocalSpec,
     FullAttentionSpec,
     LayerSpec,
+    RecurrentStateSpec,
     SlidingWindowSpec,
     kv_bytes_per_token,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "MultiModalFeature",
     "PrefixCacheStats",
     "PrefixHit",
+    "RecurrentStateSpec",
     "RequestError",
     "RetentionPolicy",
     "SlidingWindowSpec",

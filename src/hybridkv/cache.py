@@ -265,6 +265,8 @@ class KVCacheManager:
             if self.recompute:
                 tables, num_tokens, fa_tokens, missing = self.coordinator.plan_recompute(
                     tables, num_tokens)
+                if junction <= num_tokens:  # the plan reaches it: no longer a junction
+                    junction = 0
             hit = PrefixHit(req_id, num_tokens, tuple(tuple(t) for t in tables), junction,
                             self.pool.epoch, fa_tokens, missing)
         self.manager_seconds += time.perf_counter() - started
@@ -394,7 +396,28 @@ class KVCacheManager:
         self.manager_seconds += time.perf_counter() - started
 
     def new_step(self) -> None:
-        """Per-step hook (no per-step state yet; Mamba checkpoints will need one)."""
+        """Per-step hook: a scheduler calls it before planning each step (recurrent groups
+        defer hits on checkpoints hashed in the current step)."""
+        self.coordinator.new_step()
+
+    def align_prefill_chunk(self, req_id: ReqId, num_new_tokens: int,
+                            hit: PrefixHit | None = None, *,
+                            max_chunk_tokens: int | None = None) -> int:
+        """Clip the next chunk of ``num_new_tokens`` tokens (after ``hit`` when admitting)
+        so a model with recurrent groups ends it where a checkpoint must be written; 0
+        means no aligned chunk fits (schedule the request later). Unchanged for models
+        without recurrent groups. ``max_chunk_tokens``: the scheduler's per-step token
+        budget (default ``max_num_batched_tokens``)."""
+        state = self._state(req_id, "align_prefill_chunk")
+        num_computed = state.num_computed_tokens
+        junction = state.junction_tokens
+        if hit is not None and not state.is_running:
+            num_computed += hit.num_tokens
+            junction = hit.junction_tokens
+        return self.coordinator.align_prefill_chunk(
+            num_computed, num_new_tokens, num_tokens=state.token_ids.num_tokens,
+            num_prompt_tokens=state.num_prompt_tokens, junction_tokens=junction,
+            max_chunk_tokens=max_chunk_tokens or self.config.max_num_batched_tokens)
 
     # --------------------------------------------------------------- queries
     def get_block_ids(self, req_id: ReqId) -> tuple[tuple[int, ...], ...]:
@@ -456,6 +479,10 @@ class KVCacheManager:
                 if covered < self.coordinator.covered_tokens(req_id):
                     raise InvariantViolation(f"{req_id!r}: group {manager.group_id} covers "
                                              f"{covered} slots, fewer than remembered")
+        for manager in self.coordinator.managers:
+            check = getattr(manager, "check_invariants", None)
+            if check is not None:
+                check()
         for req_id, state in self._requests.items():
             if state.is_running and any(
                 req_id not in m.tables for m in self.coordinator.managers

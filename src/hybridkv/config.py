@@ -25,7 +25,7 @@ from typing import Literal
 
 from hybridkv.errors import ConfigError
 from hybridkv.ids import GroupId
-from hybridkv.specs import FullAttentionSpec, LayerSpec
+from hybridkv.specs import FullAttentionSpec, LayerSpec, page_bytes
 
 HashAlgo = Literal["sha256", "xxhash"]
 
@@ -142,6 +142,4 @@ class CacheConfig:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block: the largest group page (smaller pages are padded to it)."""
-        return self.layers_per_group * max(
-            g.spec.block_size * g.spec.kv_bytes_per_token for g in self.groups
-        )
+        return self.layers_per_group * max(page_bytes(g.spec) for g in self.groups)

@@ -21,6 +21,7 @@ from hybridkv.errors import ConfigError
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers import MANAGER_FOR_SPEC, GroupManager, coarse_hashes
 from hybridkv.managers.chunked import ChunkedLocalManager
+from hybridkv.managers.recurrent import RecurrentStateManager, align_recurrent_chunk
 from hybridkv.policies import RetentionPolicy
 from hybridkv.pool import BlockPool
 from hybridkv.siblings import SiblingBatch
@@ -100,6 +101,10 @@ class HybridCoordinator:
             for manager in self.managers:
                 manager.chain_block_size = chain_block_size
                 manager.is_chain_reference = manager.group_id == chain_group_id
+        self._step_managers = [m for m in self.managers if m.has_step_state]
+        self._recurrent_block_size = next(
+            (m.block_size for m in self.managers if isinstance(m, RecurrentStateManager)),
+            None)
         self._caps = [
             m.admission_cap_blocks(config.max_num_batched_tokens, config.max_model_len)
             for m in self.managers
@@ -113,7 +118,7 @@ class HybridCoordinator:
         run: list[GroupManager] = []
         for manager in [*self.managers, None]:
             if manager is not None and run and manager.spec == run[0].spec and batchable \
-                    and manager.use_eagle == run[0].use_eagle:
+                    and manager.use_eagle == run[0].use_eagle and manager.batches_siblings:
                 run.append(manager)
                 continue
             if len(run) > 1:
@@ -160,7 +165,7 @@ class HybridCoordinator:
                 # the EAGLE margin (peek one block past the cap) is a hybrid-coordinator
                 # feature in vLLM; a single group drops without peeking
                 limit = min(cur + sg.spec.block_size, len(hashes) * hb) \
-                    if drop and self._is_hybrid else cur
+                    if drop and self._is_hybrid and sg.manager_cls.eagle_margin else cur
                 found, num_tokens = sg.manager_cls.find_longest_hit(
                     self.pool, sg.group_ids, sg.spec, views[idx], limit,
                     drop_eagle_block=drop, alignment_tokens=align,
@@ -246,6 +251,25 @@ class HybridCoordinator:
             )
         return total
 
+    def new_step(self) -> None:
+        """A scheduler step starts: managers with per-step state reset it."""
+        for manager in self._step_managers:
+            manager.new_step()
+
+    def align_prefill_chunk(self, num_computed_tokens: int, num_new_tokens: int,
+                            num_tokens: int, num_prompt_tokens: int, junction_tokens: int,
+                            max_chunk_tokens: int) -> int:
+        """Clip a prefill chunk so that it ends where a recurrent checkpoint must be
+        written (``managers.recurrent.align_recurrent_chunk``); unchanged without
+        recurrent groups."""
+        if self._recurrent_block_size is None:
+            return num_new_tokens
+        return align_recurrent_chunk(
+            num_computed_tokens, num_new_tokens, num_tokens=num_tokens,
+            num_prompt_tokens=num_prompt_tokens, junction_tokens=junction_tokens,
+            block_size=self._recurrent_block_size,
+            max_chunk_tokens=max_chunk_tokens)
+
     def covered_tokens(self, req_id: ReqId) -> int:
         """Slots every group's table covered after the request's last allocation (0 when
         none is remembered)."""
@@ -258,9 +282,7 @@ class HybridCoordinator:
             return 0
         total = 0
         for manager in self.managers:
-            missing = -(-num_tokens // manager.block_size) - len(manager.tables[req_id])
-            if missing > 0:
-                total += missing
+            total += manager.num_blocks_to_grow(req_id, num_tokens)
         return total
 
     def add_hit_blocks(self, req_id: ReqId, hit_tables: Sequence[Sequence[Block]],
@@ -305,6 +327,8 @@ class HybridCoordinator:
         if self.retention.uses_boundaries:
             replay = replay_boundaries(num_prompt_tokens, align, self.use_eagle)
         aligned = (num_tokens // align) * align
+        for step_manager in self._step_managers:
+            step_manager.note_computed(req_id, num_tokens)
         for unit in self._units:
             manager = unit.members[0] if isinstance(unit, SiblingBatch) else unit
             cacheable = num_tokens
@@ -374,7 +398,8 @@ def _bridge_tokens(config: CacheConfig) -> int | None:
     older blocks another request cached exactly, so the whole block must be exact.
     """
     kinds = {g.spec.kind for g in config.groups}
-    if "full_attention" not in kinds or "chunked_local" in kinds:
+    if "full_attention" not in kinds or "chunked_local" in kinds \
+            or "recurrent_state" in kinds:  # a recurrent state cannot be rebuilt from a window
         return None
     windows = sorted((layer_id, g.spec) for g in config.groups for layer_id in g.layer_ids
                      if isinstance(g.spec, SlidingWindowSpec))

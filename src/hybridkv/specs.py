@@ -111,5 +111,60 @@ class ChunkedLocalSpec:
         return (num_computed_tokens // chunk) * chunk
 
 
-LayerSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalSpec
-"""Any layer spec. Mamba state and compressed attention join this union later."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentStateSpec:
+    """A layer with a fixed-size recurrent state (Mamba, Mamba-2 SSD, Gated DeltaNet, KDA).
+
+    A prefix hit at token ``p`` needs the layer's state *exactly after* ``p`` tokens: one
+    *checkpoint* (conv state + SSM state), whatever ``p`` is. One block holds one checkpoint
+    (vLLM 0.33 ``mamba_cache_mode="align"``); the block table maps positions to checkpoints:
+    table index ``i`` holds the state after ``(i + 1) * block_size`` tokens, or the null
+    block when no checkpoint is kept there (``docs/design.md``, "Recurrent state").
+
+    ``block_size`` is the checkpoint spacing in tokens; in a hybrid model it equals the
+    attention block size after unification (``hybridkv.recurrent.align_hybrid_block_size``).
+    ``state_bytes`` is one layer's checkpoint in bytes (its page; padded up to the largest
+    page of the pool, as vLLM pads the Mamba page to the attention page).
+
+    >>> gdn = RecurrentStateSpec(block_size=784, state_bytes=3_207_168)   # Qwen3.5-27B GDN
+    >>> gdn.num_skipped_tokens(2000)    # only the state after the last token is still needed
+    1999
+    >>> gdn.page_bytes
+    3207168
+    """
+
+    block_size: int
+    state_bytes: int
+    kind: ClassVar[str] = "recurrent_state"
+
+    def __post_init__(self) -> None:
+        _require_positive("block_size", self.block_size)
+        _require_positive("state_bytes", self.state_bytes)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of one layer: one checkpoint."""
+        return self.state_bytes
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Every token but the last: the running state already summarises them."""
+        return max(0, num_computed_tokens - 1)
+
+
+LayerSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalSpec | RecurrentStateSpec
+"""Any layer spec."""
+
+
+def page_bytes(spec: LayerSpec) -> int:
+    """Bytes of one block of one layer of ``spec`` (before padding to the pool's page).
+
+    >>> page_bytes(FullAttentionSpec(block_size=16, kv_bytes_per_token=4096))
+    65536
+    >>> page_bytes(RecurrentStateSpec(block_size=16, state_bytes=1000))
+    1000
+    """
+    if isinstance(spec, RecurrentStateSpec):
+        return spec.page_bytes
+    return spec.block_size * spec.kv_bytes_per_token

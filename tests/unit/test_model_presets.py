@@ -22,7 +22,7 @@ from hybridkv.sim.model import (
 )
 
 PRESETS = ["dsv4-bench", "gemma3-1b", "gemma3-27b", "gemma3-bench", "gpt-oss-120b",
-           "llama4-scout", "mistral-7b"]
+           "llama4-scout", "mistral-7b", "qwen3.5-27b"]
 
 
 def group_shape(name: str) -> list[tuple[str, int]]:

@@ -28,6 +28,7 @@ EXPECTED = [
     "MultiModalFeature",
     "PrefixCacheStats",
     "PrefixHit",
+    "RecurrentStateSpec",
     "RequestError",
     "RetentionPolicy",
     "SlidingWindowSpec",

@@ -23,22 +23,31 @@ import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 from hybridkv.errors import ConfigError, EquivalenceError
 from hybridkv.policies import CORE_POLICIES
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from hybridkv.engine.attention import AttentionFn
     from hybridkv.engine.gated_delta import Recurrence
     from hybridkv.engine.model import HybridDecoder
-    from hybridkv.engine.runner import RunResult
+    from hybridkv.engine.runner import EngineRunner, RunOptions, RunResult
     from hybridkv.sim.scheduler import SchedRequest
+
+    RunnerFactory: TypeAlias = Callable[["VerifySettings", RunOptions, bool, bool],
+                                        EngineRunner]
+    """``factory(settings, options, caching, use_eagle)``: the runner of one verify run,
+    for models whose cache layout ``cache_config_for_model`` does not describe (V4-shaped
+    models: ``engine.compressed_runner.compressed_runner_factory``)."""
 
 DEFAULT_ATOL = 1e-9
 DEFAULT_POLICIES = ("dense", "reachable", "prepend", "latest", "interval:32", "pin:64",
                     "latest+recompute", "interval:32+recompute")
-PATTERNS = ("gemma3", "alternating", "llama4", "mixed", "qwen3-next", "recurrent-mixed")
+PATTERNS = ("gemma3", "alternating", "llama4", "mixed", "v4", "qwen3-next",
+            "recurrent-mixed")
 """Layer patterns of ``--pattern`` (``all`` runs each in turn): ``qwen3-next`` is Gated
 DeltaNet : full attention 3 : 1 (Qwen3-Next / Qwen3.5), ``recurrent-mixed`` cycles
 Gated DeltaNet, sliding, full."""
@@ -149,11 +158,13 @@ def run_verify(model: HybridDecoder, workload: Sequence[SchedRequest], *,
                policies: Sequence[str] = DEFAULT_POLICIES, eagle: bool = False,
                settings: VerifySettings | None = None,
                attention: AttentionFn | None = None,
-               recurrence: Recurrence | None = None) -> VerifyReport:
+               recurrence: Recurrence | None = None,
+               runner_factory: RunnerFactory | None = None) -> VerifyReport:
     """Run ``workload`` without caching and under each policy (and EAGLE mode when
     ``eagle``); compare every cached run with the uncached one. ``recurrence`` is the
     Gated DeltaNet path of ``linear_attention`` layers (default: the token-by-token
-    reference)."""
+    reference); ``runner_factory`` builds each run's runner (default: ``EngineRunner`` on
+    ``cache_config_for_model``)."""
     from hybridkv.engine.attention import reference_attention
     from hybridkv.engine.model_config import cache_config_for_model
     from hybridkv.engine.recurrent import gated_delta_reference
@@ -164,12 +175,14 @@ def run_verify(model: HybridDecoder, workload: Sequence[SchedRequest], *,
     dtype_bytes = model.embed.element_size()
 
     def run(policy: str, caching: bool, use_eagle: bool) -> RunResult:
+        options = RunOptions(policy=policy, chunk_size=s.chunk_size, max_running=s.max_running,
+                             record_logits=True, poison=True)
+        if runner_factory is not None:
+            return runner_factory(s, options, caching, use_eagle).run(workload)
         cache_config = cache_config_for_model(
             model.config, num_blocks=s.num_blocks, block_size=s.block_size,
             full_block_size=s.full_block_size, dtype_bytes=dtype_bytes,
             enable_caching=caching, use_eagle=use_eagle, max_num_batched_tokens=s.chunk_size)
-        options = RunOptions(policy=policy, chunk_size=s.chunk_size, max_running=s.max_running,
-                             record_logits=True, poison=True)
         return EngineRunner(model, cache_config, options, attention=attend,
                             recurrence=recurrence or gated_delta_reference).run(workload)
 
@@ -271,8 +284,10 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pattern", choices=(*PATTERNS, "all"), default="gemma3",
                         help="layer pattern: gemma3 (5 local : 1 global), alternating "
                              "(gpt-oss), llama4 (chunked-local : global), mixed (sliding, "
-                             "chunked, full), qwen3-next (Gated DeltaNet : full 3 : 1), "
-                             "recurrent-mixed (Gated DeltaNet, sliding, full); all: each")
+                             "chunked, full), v4 (DeepSeek-V4-shaped: every layer a window, "
+                             "compressed C4 / C-hca layers after the first), qwen3-next "
+                             "(Gated DeltaNet : full 3 : 1), recurrent-mixed (Gated DeltaNet, "
+                             "sliding, full); all: each in turn")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--heads", type=int, default=4)
@@ -282,6 +297,11 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=12, help="sliding window (tokens)")
     parser.add_argument("--attention-chunk", type=int, default=16,
                         help="chunk of chunked-local layers (tokens)")
+    parser.add_argument("--hca-ratio", type=int, default=16,
+                        help="--pattern v4: tokens per entry of the non-overlapping "
+                             "compressed layers (V4: 128)")
+    parser.add_argument("--compressed-block-size", type=int, default=32,
+                        help="--pattern v4: tokens per compressed-entries block (V4: 256)")
     parser.add_argument("--attention", choices=("reference", "sdpa"), default="reference",
                         help="attention path (reference: explicit masks)")
     parser.add_argument("--atol", type=float, default=DEFAULT_ATOL,
@@ -320,6 +340,8 @@ def _layer_types(pattern: str, num_layers: int) -> tuple[str, ...]:
     if pattern == "recurrent-mixed":
         cycle = ("linear_attention", "sliding_attention", "full_attention")
         return tuple(cycle[i % 3] for i in range(num_layers))
+    if pattern == "v4":  # the raw window of every layer; compress ratios come separately
+        return ("sliding_attention",) * num_layers
     kinds = ("sliding_attention", "chunked_attention", "full_attention")
     return tuple(kinds[i % 3] for i in range(num_layers))
 
@@ -342,14 +364,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                               max_running=args.max_running, atol=args.atol)
     alignment = math.lcm(args.block_size, args.full_block_size or args.block_size)
     if args.trace is not None:
-        workload, stride = trace_workload(args.trace, limit=args.limit,
-                                          max_prompt_tokens=args.trace_max_tokens)
-        source = (f"trace {args.trace}: first {len(workload)} requests, every "
-                  f"{stride}th prompt token")
-    else:
-        workload = make_engine_workload(args.workload, alignment_tokens=alignment,
-                                        seed=args.seed)
-        source = f"workload {args.workload}"
+        trace_requests, stride = trace_workload(args.trace, limit=args.limit,
+                                                max_prompt_tokens=args.trace_max_tokens)
     attention = reference_attention if args.attention == "reference" else sdpa_attention
     ok = True
     for pattern in PATTERNS if args.pattern == "all" else (args.pattern,):
@@ -360,8 +376,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
             layer_types=kinds,  # type: ignore[arg-type]
             sliding_window=args.window, attention_chunk_size=args.attention_chunk)
         model = HybridDecoder(config, dtype=torch.float64, seed=args.seed)
+        runner_factory: RunnerFactory | None = None
+        pattern_alignment = alignment
+        if pattern == "v4":
+            from hybridkv.engine.compressed_runner import v4_verify_setup
+
+            model, runner_factory, pattern_alignment, kinds = v4_verify_setup(
+                config, window_block_size=args.block_size, hca_ratio=args.hca_ratio,
+                compressed_block_size=args.compressed_block_size, attention=args.attention,
+                seed=args.seed)
+        if args.trace is not None:
+            workload = trace_requests
+            source = (f"trace {args.trace}: first {len(workload)} requests, every "
+                      f"{stride}th prompt token")
+        else:
+            workload = make_engine_workload(args.workload, alignment_tokens=pattern_alignment,
+                                            seed=args.seed)
+            source = f"workload {args.workload}"
         report = run_verify(model, workload, policies=_policies(args.policy), eagle=args.eagle,
-                            settings=settings, attention=attention)
+                            settings=settings, attention=attention,
+                            runner_factory=runner_factory)
         print(f"verify: {source}, {len(workload)} requests, pattern {pattern} {kinds}, "
               f"block {args.block_size}, window {args.window}, chunk {args.chunk_size}, "
               f"pool {args.num_blocks}; baseline (no caching): {report.baseline_steps} "

@@ -100,6 +100,13 @@ class GroupManager(ABC):
     """
 
     is_full_attention: ClassVar[bool] = False
+    batches_siblings: ClassVar[bool] = True
+    """Sibling groups of this kind may be processed by one ``SiblingBatch``."""
+    eagle_margin: ClassVar[bool] = True
+    """Under the EAGLE drop the coordinator lets the lookup peek one block past the cap
+    (vLLM gives Mamba groups no margin: their finder never drops)."""
+    has_step_state: ClassVar[bool] = False
+    """The manager keeps per-step state that ``new_step`` clears."""
 
     def __init__(self, group: CacheGroup, pool: BlockPool, retention: RetentionPolicy,
                  *, alignment_tokens: int, use_eagle: bool) -> None:
@@ -141,6 +148,18 @@ class GroupManager(ABC):
         block leaves this group's window (releases can only happen from there on)."""
         del num_computed_tokens
         return 1 << 62  # full attention never releases early
+
+    def num_blocks_to_grow(self, req_id: ReqId, num_tokens: int) -> int:
+        """Blocks the running request's table needs to cover ``num_tokens`` slots."""
+        return max(0, -(-num_tokens // self.block_size) - len(self.tables[req_id]))
+
+    def new_step(self) -> None:  # noqa: B027 - an optional hook, empty by default
+        """A scheduler step starts (only managers with ``has_step_state`` are called)."""
+
+    def note_computed(self, req_id: ReqId, num_computed_tokens: int) -> None:
+        """A step of the request ended at ``num_computed_tokens`` (``has_step_state``
+        managers only; called before its blocks are cached)."""
+        del req_id, num_computed_tokens
 
     def bridge_tail_blocks(self) -> int:
         """Blocks before a bridge end whose KV is exact enough to hash (window tail)."""

@@ -66,14 +66,23 @@ class SlidingWindowManager(GroupManager):
         """Worked example (bs 8, w 8 → 1 tail block, ``A`` 32, cached blocks {3, 7}):
         max 64 tokens → hit 64 (``[null × 7, b7]``); max 63 → block 6 is not cached and
         block 3 ends on 32 → hit 32. A run that reaches block 0 is a hit even when shorter
-        than the window (the prefix itself is shorter than the window)."""
+        than the window (the prefix itself is shorter than the window).
+
+        A window of 1 token needs no tail (``need`` 0): every aligned length up to the
+        limit is a hit with an all-null table, whatever is cached (bs 4, ``A`` 8, max 14 →
+        hit 8, two null blocks). vLLM 0.33 still demands one cached block there, so its
+        masking policies (which hash no window block at all for w = 1) never hit."""
         assert isinstance(spec, SlidingWindowSpec)
         bs = spec.block_size
         need = spec.num_tail_blocks + (1 if drop_eagle_block else 0)
         num_blocks = min(max_num_tokens // bs, len(hashes))
         null = pool.null_block
+        if need == 0:  # w = 1: a position reads only its own KV, so any prefix is a hit
+            empty = [[null] * num_blocks for _ in group_ids]
+            _trim_to_alignment(empty, bs, alignment_tokens)
+            return empty, len(empty[0]) * bs
         getters = [pool.group_index(g).get for g in group_ids]
-        if bs == alignment_tokens and not drop_eagle_block and need > 0:
+        if bs == alignment_tokens and not drop_eagle_block:
             found_tables = _search_with_jumps(getters, null, hashes, num_blocks, need)
             return found_tables, len(found_tables[0]) * bs
         tables: list[list[Block]] = [[null] * num_blocks for _ in group_ids]
@@ -97,15 +106,22 @@ class SlidingWindowManager(GroupManager):
                     del table[del_from:]
                 found_run = True
                 break
-        if not found_run:
-            for table in tables:
-                del table[run:]
-            _trim_to_alignment(tables, bs, alignment_tokens)
-        if drop_eagle_block and tables[0]:
-            for table in tables:
-                table.pop()
-            _trim_to_alignment(tables, bs, alignment_tokens)
+        _close_scan(tables, None if found_run else run, drop_eagle_block, bs, alignment_tokens)
         return tables, len(tables[0]) * bs
+
+
+def _close_scan(tables: list[list[Block]], run_from_start: int | None, drop_eagle_block: bool,
+                block_size: int, alignment_tokens: int) -> None:
+    """Finish a right-to-left scan: without a full tail (``run_from_start`` set) keep the
+    cached run from block 0, aligned; then apply the EAGLE drop (one block, re-aligned)."""
+    if run_from_start is not None:
+        for table in tables:
+            del table[run_from_start:]
+        _trim_to_alignment(tables, block_size, alignment_tokens)
+    if drop_eagle_block and tables[0]:
+        for table in tables:
+            table.pop()
+        _trim_to_alignment(tables, block_size, alignment_tokens)
 
 
 def _search_with_jumps(getters: Sequence[Callable[[BlockHash], Block | None]], null: Block,

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal, InvalidOperation
 from importlib import resources
 from pathlib import Path
@@ -48,10 +48,17 @@ from typing import Final
 
 from hybridkv.config import CacheConfig, plan_cache_groups
 from hybridkv.errors import ConfigError
+from hybridkv.recurrent import (
+    align_hybrid_block_size,
+    gated_delta_net_state_bytes,
+    mamba1_state_bytes,
+    mamba2_state_bytes,
+)
 from hybridkv.specs import (
     ChunkedLocalSpec,
     FullAttentionSpec,
     LayerSpec,
+    RecurrentStateSpec,
     SlidingWindowSpec,
     kv_bytes_per_token,
 )
@@ -60,10 +67,14 @@ PRESET_SUFFIX: Final = ".toml"
 
 _KV_KEYS: Final = ("block_size", "dtype_bytes", "num_kv_heads", "head_dim",
                    "kv_bytes_per_token")
+_RECURRENT_KEYS: Final = ("mixer", "state_bytes", "num_k_heads", "num_v_heads", "head_k_dim",
+                          "head_v_dim", "num_ssm_heads", "ssm_head_dim", "n_groups",
+                          "state_size", "intermediate_size", "conv_kernel",
+                          "conv_dtype_bytes", "ssm_dtype_bytes")
 _TOP_KEYS: Final = frozenset({"name", "description", "layers", "num_layers", "pattern",
-                              "kinds", *_KV_KEYS})
-_KIND_KEYS: Final = frozenset({"kind", "window", "chunk", *_KV_KEYS})
-_KINDS: Final = ("full_attention", "sliding_window", "chunked_local")
+                              "kinds", "unify_block_size", *_KV_KEYS})
+_KIND_KEYS: Final = frozenset({"kind", "window", "chunk", *_KV_KEYS, *_RECURRENT_KEYS})
+_KINDS: Final = ("full_attention", "sliding_window", "chunked_local", "recurrent_state")
 
 SIZE_UNITS: Final = {
     "": 1, "B": 1,
@@ -155,6 +166,11 @@ def parse_model(text: str, *, source: str = "<string>", default_name: str = "mod
                           "give either [[layers]] runs or pattern + num_layers + [kinds.*]")
     layers = (_layers_from_runs(doc["layers"], defaults, source) if has_runs
               else _layers_from_pattern(doc, defaults, source))
+    unify = doc.get("unify_block_size", True)
+    if not isinstance(unify, bool):
+        raise ConfigError(f"{source}: unify_block_size", unify, "must be true or false")
+    if unify:
+        layers = unify_recurrent_block_size(layers)
     name = doc.get("name", default_name)
     description = doc.get("description", "")
     if not isinstance(name, str) or not name:
@@ -207,6 +223,12 @@ def _spec(table: dict[str, object], defaults: dict[str, object], source: str, wh
     if kind not in _KINDS:
         raise ConfigError(f"{source}: {where}kind", kind, f"choose one of {list(_KINDS)}")
     block_size = _positive_int(merged.get("block_size"), source, where + "block_size")
+    recurrent_keys = sorted(k for k in table if k in _RECURRENT_KEYS)
+    if kind == "recurrent_state":
+        return RecurrentStateSpec(block_size, _state_bytes(merged, source, where))
+    if recurrent_keys:
+        raise ConfigError(f"{source}: {where}{recurrent_keys[0]}", table[recurrent_keys[0]],
+                          "only recurrent_state layers take it")
     kv_bytes = _kv_bytes(merged, source, where)
     extra = {"sliding_window": "window", "chunked_local": "chunk"}
     for other_kind, key in extra.items():
@@ -220,6 +242,78 @@ def _spec(table: dict[str, object], defaults: dict[str, object], source: str, wh
         chunk = _positive_int(merged.get("chunk"), source, where + "chunk")
         return ChunkedLocalSpec(block_size, kv_bytes, chunk)
     return FullAttentionSpec(block_size, kv_bytes)
+
+
+_MIXER_FIELDS: Final = {
+    "gated_delta_net": ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim",
+                        "conv_kernel"),
+    "mamba2": ("num_ssm_heads", "ssm_head_dim", "n_groups", "state_size", "conv_kernel"),
+    "mamba": ("intermediate_size", "state_size", "conv_kernel"),
+}
+
+
+def _state_bytes(merged: dict[str, object], source: str, where: str) -> int:
+    """One layer's checkpoint bytes: ``state_bytes`` as given, or computed from a
+    ``mixer``'s public config fields (``hybridkv.recurrent``)."""
+    mixer = merged.get("mixer")
+    if mixer is None:
+        if merged.get("state_bytes") is None:
+            raise ConfigError(f"{source}: {where}mixer", None,
+                              f"give state_bytes or a mixer: one of {sorted(_MIXER_FIELDS)}")
+        return _positive_int(merged["state_bytes"], source, where + "state_bytes")
+    if mixer not in _MIXER_FIELDS:
+        raise ConfigError(f"{source}: {where}mixer", mixer,
+                          f"choose one of {sorted(_MIXER_FIELDS)}")
+    if merged.get("state_bytes") is not None:
+        raise ConfigError(f"{source}: {where}state_bytes", merged["state_bytes"],
+                          "give either state_bytes or a mixer, not both")
+    values = {key: _positive_int(merged.get(key), source, where + key)
+              for key in _MIXER_FIELDS[mixer]}
+    dtype = merged.get("dtype_bytes", 2)
+    conv_bytes = _positive_int(merged.get("conv_dtype_bytes", dtype), source,
+                               where + "conv_dtype_bytes")
+    ssm_bytes = _positive_int(merged.get("ssm_dtype_bytes", dtype), source,
+                              where + "ssm_dtype_bytes")
+    if mixer == "gated_delta_net":
+        return gated_delta_net_state_bytes(
+            num_k_heads=values["num_k_heads"], num_v_heads=values["num_v_heads"],
+            head_k_dim=values["head_k_dim"], head_v_dim=values["head_v_dim"],
+            conv_kernel=values["conv_kernel"], conv_dtype_bytes=conv_bytes,
+            ssm_dtype_bytes=ssm_bytes)
+    if mixer == "mamba2":
+        inner = merged.get("intermediate_size")
+        return mamba2_state_bytes(
+            num_heads=values["num_ssm_heads"], head_dim=values["ssm_head_dim"],
+            n_groups=values["n_groups"], state_size=values["state_size"],
+            conv_kernel=values["conv_kernel"], conv_dtype_bytes=conv_bytes,
+            ssm_dtype_bytes=ssm_bytes,
+            intermediate_size=None if inner is None
+            else _positive_int(inner, source, where + "intermediate_size"))
+    return mamba1_state_bytes(
+        intermediate_size=values["intermediate_size"], state_size=values["state_size"],
+        conv_kernel=values["conv_kernel"], conv_dtype_bytes=conv_bytes,
+        ssm_dtype_bytes=ssm_bytes)
+
+
+def unify_recurrent_block_size(layers: list[LayerSpec]) -> list[LayerSpec]:
+    """Give every layer of a model with recurrent layers the unified block size (vLLM's
+    ``_align_hybrid_block_size``: one checkpoint fills one attention page); other models
+    are returned unchanged. The given attention block size is the minimum.
+
+    >>> from hybridkv.specs import FullAttentionSpec
+    >>> out = unify_recurrent_block_size([FullAttentionSpec(16, 4096),
+    ...                                   RecurrentStateSpec(16, 3_207_168)])
+    >>> [spec.block_size for spec in out]
+    [784, 784]
+    """
+    states = [s.state_bytes for s in layers if isinstance(s, RecurrentStateSpec)]
+    attention = [s for s in layers if not isinstance(s, RecurrentStateSpec)]
+    if not states or not attention:
+        return layers
+    block_size = align_hybrid_block_size(
+        attn_bytes_per_token=max(s.kv_bytes_per_token for s in attention),
+        state_bytes=max(states), min_block_size=max(s.block_size for s in attention))
+    return [replace(spec, block_size=block_size) for spec in layers]
 
 
 def _kv_bytes(merged: dict[str, object], source: str, where: str) -> int:

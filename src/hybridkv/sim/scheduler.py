@@ -126,8 +126,9 @@ class Scheduler:
             chunk = self._schedule_running(request, budget, preempted)
             if chunk is None:
                 break  # the requester itself was preempted (it was the newest)
-            chunks.append(chunk)
-            budget -= chunk.num_new_tokens
+            if chunk.num_new_tokens:  # 0: no checkpoint-aligned chunk fits this step
+                chunks.append(chunk)
+                budget -= chunk.num_new_tokens
             idx += 1
         admitted: list[str] = []
         if not preempted:
@@ -145,7 +146,11 @@ class Scheduler:
         manager = self.manager
         req_id = request.req_id
         num_computed = manager.num_computed_tokens(req_id)
-        num_new = min(manager.num_tokens(req_id) - num_computed, budget)
+        num_new = manager.align_prefill_chunk(
+            req_id, min(manager.num_tokens(req_id) - num_computed, budget),
+            max_chunk_tokens=self.chunk_size)
+        if num_new == 0:
+            return ScheduledChunk(req_id, num_computed, 0, 0, False)
         while True:
             allocation = manager.allocate_slots(req_id, num_new)
             if allocation is not None:
@@ -177,7 +182,10 @@ class Scheduler:
             self._registered.add(req_id)
         hit = manager.find_longest_hit(req_id)
         num_tokens = manager.num_tokens(req_id)
-        num_new = min(num_tokens - hit.num_tokens, budget)
+        num_new = manager.align_prefill_chunk(req_id, min(num_tokens - hit.num_tokens, budget),
+                                              hit, max_chunk_tokens=self.chunk_size)
+        if num_new == 0:
+            return None
         allocation = manager.allocate_slots(req_id, num_new, hit,
                                             reserve_full_prompt=self.reserve_full_prompt)
         if allocation is None:

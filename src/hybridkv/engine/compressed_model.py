@@ -1,0 +1,248 @@
+"""A DeepSeek-V4-shaped decoder: every layer attends to a sliding window of raw tokens, and
+compressed layers also to pooled entries of ``r``-token chunks (``engine.compressed``).
+
+``CompressedModelConfig`` = a ``ModelConfig`` whose layers are all ``sliding_attention``
+(the raw window, V4's SWA branch) plus one compress ratio per layer (0: window only, as
+V4's first layers and MTP layers; 4: overlapping C4 / CSA; any other ``r >= 2``:
+non-overlapping, as C128 / HCA). ``CompressedDecoder`` adds to each compressed layer a
+compressor (``wkv``, ``wgate``: ``[halves * KVH * D, hidden]``, ``ape``: ``[r, halves * KVH * D]``,
+``norm``: ``[D]``) and hands its projections to the attend callback's ``compressed``
+method; window-only layers run exactly as in ``HybridDecoder``.
+
+``SequenceAttend`` is the reference: one request's whole sequence in one call, every entry
+pooled from the full sequence by ``pool_sequence_reference``, no cache at all. The paged,
+incremental engine (``engine.compressed_runner``) must reproduce its logits.
+
+>>> cfg = CompressedModelConfig.tiny()
+>>> cfg.compress_ratios, cfg.window, [cfg.rule(i).halves for i in cfg.compressed_layers]
+((0, 4, 16, 4), 8, [2, 1, 2])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import torch
+from torch import nn
+from torch.nn import functional as nnf
+
+from hybridkv.engine.attention import AttentionRule, reference_attention
+from hybridkv.engine.compressed import (
+    CompressionRule,
+    compressed_attention,
+    pool_sequence_reference,
+    state_rows,
+)
+from hybridkv.engine.model import AttendFn, HybridDecoder, LayerWeights
+from hybridkv.engine.model_config import LayerKind, ModelConfig
+from hybridkv.engine.rope import rope_tables
+from hybridkv.errors import ConfigError
+
+
+def v4_ratios(num_layers: int, *, hca_ratio: int = 128, window_only_layers: int = 1,
+              ) -> tuple[int, ...]:
+    """V4-Flash's pattern scaled down: ``window_only_layers`` window-only layers (V4-Flash:
+    2), then C4 and C-``hca_ratio`` layers alternating, starting with C4.
+
+    >>> v4_ratios(6, hca_ratio=16)
+    (0, 4, 16, 4, 16, 4)
+    """
+    return tuple(0 if i < window_only_layers else (4 if (i - window_only_layers) % 2 == 0
+                                                   else hca_ratio)
+                 for i in range(num_layers))
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedModelConfig:
+    """A V4-shaped model: the decoder's shape plus a compress ratio per layer.
+
+    Attributes:
+        base: shape of the decoder; every layer must be ``sliding_attention`` (the raw
+            window every V4 layer has).
+        compress_ratios: per layer, tokens per compressed entry (0: window only).
+    """
+
+    base: ModelConfig
+    compress_ratios: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if any(kind != "sliding_attention" for kind in self.base.layer_types):
+            raise ConfigError("layer_types", self.base.layer_types,
+                              "every layer of a V4-shaped model slides (its raw window)")
+        if len(self.compress_ratios) != self.base.num_layers or any(
+                not isinstance(r, int) or r < 0 or r == 1 for r in self.compress_ratios):
+            raise ConfigError("compress_ratios", self.compress_ratios,
+                              "one ratio per layer: 0 (window only) or tokens per entry >= 2")
+        if self.base.layer_windows is not None:
+            raise ConfigError("layer_windows", self.base.layer_windows,
+                              "V4-shaped models use one window (sliding_window)")
+
+    @classmethod
+    def tiny(cls, *, compress_ratios: Sequence[int] = (0, 4, 16, 4), window: int = 8,
+             **shape: Any) -> CompressedModelConfig:
+        """A test-sized model (hidden 32, 4 heads, 1 KV head as V4's MQA, head_dim 8,
+        vocab 97); ``shape`` overrides ``ModelConfig`` fields."""
+        ratios = tuple(compress_ratios)
+        base = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_heads=4,
+                           num_kv_heads=1, head_dim=8,
+                           layer_types=cast(tuple[LayerKind, ...],
+                                            ("sliding_attention",) * len(ratios)),
+                           sliding_window=window)
+        return cls(dataclasses.replace(base, **shape), ratios)
+
+    @property
+    def window(self) -> int:
+        """Raw-window tokens of every layer (V4: 128)."""
+        assert self.base.sliding_window is not None
+        return self.base.sliding_window
+
+    @property
+    def compressed_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.compress_ratios) if r)
+
+    def rule(self, layer_id: int) -> CompressionRule:
+        """Compression geometry of compressed layer ``layer_id``."""
+        ratio = self.compress_ratios[layer_id]
+        if not ratio:
+            raise ConfigError("layer_id", layer_id, "is a window-only layer")
+        return CompressionRule(ratio, self.window)
+
+    def state_width(self, layer_id: int) -> int:
+        """Channels of one projection (kv or score) of a compressor: ``halves * KVH * D``."""
+        return self.rule(layer_id).halves * self.base.num_kv_heads * self.base.head_dim
+
+
+class CompressedAttendFn(Protocol):
+    """What a ``CompressedDecoder`` calls per layer: ``attend(layer_id, q, k, v)`` for
+    window-only layers, ``attend.compressed(layer_id, q, k, v, kv, score)`` for compressed
+    ones (``kv``/``score``: the compressor's ``[T, halves * KVH * D]`` projections)."""
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor: ...
+
+    def compressed(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor: ...
+
+
+class Compressor(nn.Module):
+    """Parameters of one layer's compressor."""
+
+    def __init__(self, width: int, hidden: int, ratio: int, head_dim: int, *,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device),
+                                requires_grad=False)
+
+        self.wkv = param(width, hidden)
+        self.wgate = param(width, hidden)
+        self.ape = param(ratio, width)
+        self.norm = param(head_dim)
+
+
+class CompressedDecoder(HybridDecoder):
+    """``HybridDecoder`` with compressors on the compressed layers.
+
+    Args:
+        shape: the V4-shaped config (``self.config`` is its ``base``).
+        dtype / device / seed: as ``HybridDecoder`` (seeded init covers the compressors).
+    """
+
+    def __init__(self, shape: CompressedModelConfig, *, dtype: torch.dtype = torch.float64,
+                 device: torch.device | str = "cpu", seed: int | None = 0) -> None:
+        super().__init__(shape.base, dtype=dtype, device=device, seed=None)
+        self.shape = shape
+        self.compressors = nn.ModuleDict({
+            str(i): Compressor(shape.state_width(i), shape.base.hidden_size,
+                               shape.compress_ratios[i], shape.base.head_dim, dtype=dtype,
+                               device=self.device)
+            for i in shape.compressed_layers})
+        if seed is not None:
+            self.randomize(seed)
+
+    def compressor(self, layer_id: int) -> Compressor:
+        return cast(Compressor, self.compressors[str(layer_id)])
+
+    @torch.no_grad()
+    def converted(self, *, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> CompressedDecoder:
+        """A copy with weights cast to ``dtype`` / moved to ``device``."""
+        other = CompressedDecoder(self.shape, dtype=dtype or self.dtype,
+                                  device=device or self.device, seed=None)
+        for target, source in zip(other.parameters(), self.parameters(), strict=True):
+            target.copy_(source)
+        return other
+
+    def entry_keys(self, layer_id: int, pooled: torch.Tensor, first: int) -> torch.Tensor:
+        """Norm and rotary of pooled entries ``first, first + 1, …`` (``[J, KVH, D]``):
+        entry ``j`` sits at its chunk's first position ``j * r`` (as V4's compressor)."""
+        ratio = self.shape.compress_ratios[layer_id]
+        positions = torch.arange(first, first + pooled.shape[0], device=pooled.device) * ratio
+        cos, sin = rope_tables(positions, head_dim=self.config.head_dim,
+                               theta=self.config.rope_local_theta, dtype=self.dtype)
+        return self.ops.norm_rope(pooled, self.compressor(layer_id).norm,
+                                  self.config.rms_norm_eps, cos, sin)
+
+    def _layer(self, layer_id: int, x: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
+               sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        if not self.shape.compress_ratios[layer_id]:
+            return super()._layer(layer_id, x, w, cos, sin, attend)
+        compressed = getattr(attend, "compressed", None)
+        if compressed is None:
+            raise ConfigError("attend", attend, "compressed layers need an attend callback "
+                              "with a .compressed(layer_id, q, k, v, kv, score) method")
+        # The base layer's body, with the compressor's projections of the same input h.
+        cfg, ops = self.config, self.ops
+        eps, hd, num_tokens = cfg.rms_norm_eps, cfg.head_dim, x.shape[0]
+        h = ops.norm(x, w.input_norm, eps)
+        q, k, v = torch.split(nnf.linear(h, w.qkv),
+                              [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd],
+                              dim=-1)
+        q = ops.norm_rope(q.reshape(num_tokens, cfg.num_heads, hd), w.q_norm, eps, cos, sin)
+        k = ops.norm_rope(k.reshape(num_tokens, cfg.num_kv_heads, hd), w.k_norm, eps, cos, sin)
+        v = v.reshape(num_tokens, cfg.num_kv_heads, hd)
+        comp = self.compressor(layer_id)
+        out = compressed(layer_id, q, k, v, nnf.linear(h, comp.wkv), nnf.linear(h, comp.wgate))
+        x = ops.add_norm(x, nnf.linear(out.reshape(num_tokens, cfg.num_heads * hd), w.o_proj),
+                         w.post_attn_norm, eps)
+        mlp = nnf.linear(ops.gated_gelu(nnf.linear(ops.norm(x, w.pre_ffn_norm, eps),
+                                                   w.gate_up)), w.down)
+        return ops.add_norm(x, mlp, w.post_ffn_norm, eps)
+
+
+class SequenceAttend:
+    """Reference attend for one request's whole sequence (positions ``0 .. T-1``) in one
+    call: no cache, every entry pooled from the full sequence, explicit masks."""
+
+    def __init__(self, model: CompressedDecoder) -> None:
+        self.model = model
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        rule = AttentionRule("sliding_attention", window=self.model.shape.window)
+        return reference_attention(q, k, v, q_start=0, kv_start=0, rule=rule,
+                                   scale=self.model.config.attention_scale)
+
+    def compressed(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        model, shape = self.model, self.model.shape
+        rule = shape.rule(layer_id)
+        positions = torch.arange(q.shape[0], device=q.device)
+        rows = state_rows(kv, score, model.compressor(layer_id).ape, positions, rule)
+        pooled = pool_sequence_reference(rows, rule, kv_heads=shape.base.num_kv_heads)
+        entries = model.entry_keys(layer_id, pooled, 0)
+        return compressed_attention(q, k, v, entries, q_start=0, kv_start=0, rule=rule,
+                                    scale=model.config.attention_scale)
+
+
+def sequence_logits(model: CompressedDecoder, token_ids: Sequence[int]) -> torch.Tensor:
+    """Logits ``[T, vocab]`` of every position of one sequence, by ``SequenceAttend``."""
+    from hybridkv.engine.runner import vocab_ids
+
+    ids = vocab_ids(token_ids, model.config.vocab_size, model.device)
+    positions = torch.arange(len(token_ids), device=model.device)
+    return cast(torch.Tensor, model(ids, positions, SequenceAttend(model), positions))
