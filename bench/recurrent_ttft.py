@@ -164,7 +164,7 @@ def section_ttft(args: argparse.Namespace, device: torch.device, quick: bool,
                     if not quick else "tiny",
            "dtype": str(model.dtype).removeprefix("torch."), "block_size": block,
            "chunk_size": chunk, "suffix": suffix, "repeats": args.repeats,
-           "checkpoint_bytes_per_layer": model.config.recurrent_state_bytes(4),
+           "checkpoint_bytes_per_layer": model.config.recurrent_state_bytes(2),
            "recurrence": "chunked, 64-token chunks"}
     rows: list[dict[str, Any]] = []
     vocab = model.config.vocab_size
