@@ -17,9 +17,10 @@ Two sections:
    every 4th layer full attention), bf16. Per context length: ``fill`` (a prompt of
    ``context`` tokens) then ``probe`` (the first ``context - --suffix`` tokens of
    ``fill`` plus ``--suffix`` new ones). With caching off the probe recomputes every
-   token; with caching on it resumes every recurrent layer from the checkpoint at the hit
-   (the last block boundary of the shared prefix) and reads the full-attention KV before
-   it. Each configuration runs once untimed, then ``--repeats`` times (median). The
+   token; with caching on (``latest``) it resumes every recurrent layer from the fill's
+   checkpoint at its replay boundary (the last block boundary before its last token; the
+   suffix is shorter than a block, so the shared prefix reaches it) and reads the
+   full-attention KV before it. Each configuration runs once untimed, then ``--repeats`` times (median). The
    probe's first-token logits with the hit are compared with the recompute.
 
 Results: tables on stdout, ``recurrent_ttft.json`` and ``recurrent_ttft.md`` under
@@ -144,7 +145,7 @@ def section_ttft(args: argparse.Namespace, device: torch.device, quick: bool,
     contexts = [1024] if quick else [int(x) for x in args.contexts.split(",")]
     block = 64 if quick else args.block_size
     chunk = 256 if quick else args.chunk_size
-    suffix = 100 if quick else args.suffix
+    suffix = 50 if quick else args.suffix
     def config(caching: bool, num_blocks: int = 2) -> Any:
         return cache_config_for_model(model.config, num_blocks=num_blocks, block_size=block,
                                       dtype_bytes=model.embed.element_size(),

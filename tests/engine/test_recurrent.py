@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -345,3 +347,18 @@ def test_trace_workload_keeps_prefix_sharing(tmp_path: Path) -> None:
     first, second = requests[0].prompt_token_ids, requests[1].prompt_token_ids
     assert second[:len(first)] == first                 # turn 2 extends turn 1
     assert requests[3].prompt_token_ids[:4] != first[:4]   # another conversation
+
+
+def test_quick_recurrent_bench_runs_on_cpu(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    completed = subprocess.run(
+        [sys.executable, str(root / "bench" / "recurrent_ttft.py"), "--quick", "--cpu",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=root, check=False)
+    assert completed.returncode == 0, completed.stderr[-2000:] + completed.stdout[-2000:]
+    results = json.loads((tmp_path / "recurrent_ttft.json").read_text())
+    accuracy = [r for r in results["kernels"] if r["section"] == "accuracy"]
+    assert accuracy and all(r["rel_err_out"] < 1e-5 for r in accuracy)
+    off, hit = results["ttft"]
+    assert off["hit_tokens"] == 0 and hit["hit_tokens"] > 0
+    assert "same token" in hit["logits_vs_recompute"]
