@@ -179,7 +179,8 @@ def compare_policy(trace: Trace, config: CacheConfig, policy: str, args: argpars
                       "note": "one side made more lookups"}
     key = (Path(trace.source or trace.name).stem, len(trace), args.model, args.num_blocks,
            policy)
-    reference = None if args.no_admission_gate else REFERENCE_HIT_RATES.get(key)
+    reference = None if args.no_admission_gate or config.use_eagle else \
+        REFERENCE_HIT_RATES.get(key)
     return {
         "policy": policy,
         "vllm_retention_interval": retention_interval(policy),
@@ -233,6 +234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-admission-gate", action="store_true",
                         help="admit on the first chunk only (vLLM full_sequence_must_fit=False): "
                              "over-admits, so preemption and re-admission get exercised")
+    parser.add_argument("--eagle", action="store_true",
+                        help="EAGLE drafter on both sides: lookahead block hashes (vLLM 0.33's "
+                             "default: each hash covers the next token, no drop)")
+    parser.add_argument("--eagle-drop", action="store_true",
+                        help="with --eagle: the older drop mode on both sides (vLLM with "
+                             "lookahead block hashes disabled)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     try:
@@ -242,11 +249,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     trace = load_trace(args.trace, limit=args.limit)
-    config = load_model(args.model).cache_config(args.num_blocks,
-                                                 max_num_batched_tokens=args.chunk_size)
+    config = load_model(args.model).cache_config(
+        args.num_blocks, max_num_batched_tokens=args.chunk_size,
+        use_eagle=args.eagle or args.eagle_drop, eagle_block_drop=args.eagle_drop)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    eagle = "eagle drop mode" if args.eagle_drop else \
+        "eagle lookahead hashes" if args.eagle else "no eagle"
     print(f"trace {trace.name} ({len(trace)} requests), model {args.model}, "
-          f"{args.num_blocks} blocks, vllm {vllm.__version__}", flush=True)
+          f"{args.num_blocks} blocks, {eagle}, vllm {vllm.__version__}", flush=True)
     rows = []
     for policy in policies:
         rows.append(compare_policy(trace, config, policy, args))
@@ -264,6 +274,7 @@ def _write_json(args: argparse.Namespace, trace: Trace, rows: list[dict[str, Any
         "trace": str(args.trace), "requests": len(trace), "model": args.model,
         "num_blocks": args.num_blocks, "max_running": args.max_running,
         "chunk_size": args.chunk_size, "admission_gate": not args.no_admission_gate,
+        "eagle": "drop" if args.eagle_drop else "lookahead" if args.eagle else None,
         "vllm_version": vllm_version,
         "python": platform.python_version(), "machine": platform.machine(),
         "date": time.strftime("%Y-%m-%d"), "results": rows,

@@ -20,8 +20,9 @@ Two sections:
    token; with caching on (``latest``) it resumes every recurrent layer from the fill's
    checkpoint at its replay boundary (the last block boundary before its last token; the
    suffix is shorter than a block, so the shared prefix reaches it) and reads the
-   full-attention KV before it. Each configuration runs once untimed, then ``--repeats`` times (median). The
-   probe's first-token logits with the hit are compared with the recompute.
+   full-attention KV before it. Each configuration runs once untimed, then ``--repeats``
+   times (median). The probe's first-token logits with the hit are compared with the
+   recompute.
 
 Results: tables on stdout, ``recurrent_ttft.json`` and ``recurrent_ttft.md`` under
 ``--out`` (default ``$OUT`` when set, else ``out/recurrent_ttft``).

@@ -83,9 +83,10 @@ def _vllm_spec(spec: LayerSpec) -> Any:
 
 def vllm_kv_cache_config(config: CacheConfig, policy: str) -> KVCacheConfig:
     """A vLLM ``KVCacheConfig`` with the same groups (order, specs, layers) and pool size."""
+    flagged = set(config.eagle_group_ids or ()) if config.drops_eagle_block else set()
     groups = [
         KVCacheGroupSpec([f"model.layers.{i}.attn" for i in group.layer_ids],
-                         _vllm_spec(group.spec))
+                         _vllm_spec(group.spec), is_eagle_group=group.group_id in flagged)
         for group in config.groups
     ]
     sizes = [g.spec.block_size for g in config.groups]
@@ -121,16 +122,19 @@ class VllmManager:
 
     def __init__(self, config: CacheConfig, policy: str,
                  max_model_len: int | None = None) -> None:
-        if config.use_eagle:
-            raise ValueError("the vLLM adapter drives the non-EAGLE path only")
         sizes = [g.spec.block_size for g in config.groups]
         self.hash_block_size = math.gcd(*sizes)
         self.scheduler_block_size = math.lcm(*sizes)
         self.kv_cache_config = vllm_kv_cache_config(config, policy)
         hash_fn = get_hash_fn_by_name(config.hash_algo)
         kv_cache_utils.init_none_hash(hash_fn)
+        # EAGLE as vLLM 0.33's scheduler sets it up: lookahead block hashes (the request
+        # hasher covers the next L tokens, the manager gets use_eagle=False and
+        # num_prefill_lookahead = L), or with lookahead hashes disabled the drop mode
+        # (use_eagle=True, the groups of ``eagle_group_ids`` flagged)
+        lookahead = config.hash_lookahead_tokens
         self._block_hasher = kv_cache_utils.get_request_block_hasher(
-            self.hash_block_size, hash_fn)
+            self.hash_block_size, hash_fn, num_hash_lookahead_tokens=lookahead)
         self.max_model_len = max_model_len or config.max_model_len or DEFAULT_MAX_MODEL_LEN
         self.kv = KVCacheManager(
             kv_cache_config=self.kv_cache_config,
@@ -139,6 +143,9 @@ class VllmManager:
             hash_block_size=self.hash_block_size,
             max_in_flight_tokens=config.max_num_batched_tokens,
             enable_caching=config.enable_caching,
+            use_eagle=config.drops_eagle_block,
+            num_hash_lookahead_tokens=lookahead,
+            num_prefill_lookahead=config.eagle_lookahead_tokens if config.use_eagle else 0,
             log_stats=True,
         )
         self._sampling = SamplingParams(max_tokens=1 << 30)

@@ -168,7 +168,10 @@ class KVCacheManager:
         self.pool = BlockPool(config.num_blocks, len(config.groups), evictor)
         self.coordinator = HybridCoordinator(config, self.pool, policy,
                                              chain_group if eviction.chain else None)
-        self.hasher = BlockHasher(config.hash_block_size, config.hash_algo)
+        self.hasher = BlockHasher(config.hash_block_size, config.hash_algo,
+                                  config.hash_lookahead_tokens)
+        self._lookahead = config.hash_lookahead_tokens
+        """EAGLE lookahead hashes: a block's hash waits for the L tokens after it."""
         self.stats = PrefixCacheStats(
             hit_blocks_by_group=[0] * len(config.groups),
             evicted_blocks_by_group=self.pool.num_evicted_blocks,
@@ -190,7 +193,8 @@ class KVCacheManager:
 
         ``block_hashes`` lets a caller that hashes many prompts sharing prefixes (a trace
         replayer) pass the chain it computed with ``self.hasher`` for exactly these tokens;
-        it must hold one hash per full ``hasher.block_size`` block (checked by length).
+        it must hold one hash per full ``hasher.block_size`` block (checked by length;
+        under EAGLE lookahead hashes, per block followed by ``L`` more tokens).
         The manager then keeps ``prompt_token_ids`` by reference instead of copying it (it
         reads only the ids past the last full block): the caller must not modify it.
         """
@@ -200,7 +204,7 @@ class KVCacheManager:
             raise ConfigError("prompt_token_ids", [], "a request needs at least one token")
         started = time.perf_counter()
         hb = self.hasher.block_size
-        num_full = len(prompt_token_ids) // hb
+        num_full = self.hasher.num_hashable_blocks(len(prompt_token_ids))
         if block_hashes is not None and self.config.enable_caching:
             if len(block_hashes) != num_full:
                 raise ConfigError("block_hashes", f"<{len(block_hashes)} hashes>",
@@ -226,7 +230,7 @@ class KVCacheManager:
             return
         hb = self.hasher.block_size
         num_hashed = len(state.block_hashes)
-        if len(tokens) // hb > num_hashed:
+        if (len(tokens) - self._lookahead) // hb > num_hashed:
             parent = state.block_hashes[-1] if num_hashed else None
             state.block_hashes.extend(self.hasher.hash_blocks(
                 tokens[num_hashed * hb :], parent=parent, first_block_idx=num_hashed,
@@ -337,10 +341,16 @@ class KVCacheManager:
             new_blocks = self._no_new_blocks
         state.num_computed_tokens = num_computed + num_new_tokens
         hb = self.hasher.block_size
+        lookahead = self._lookahead
         if self.config.enable_caching and (
             admitting or num_computed // hb != state.num_computed_tokens // hb
+            or (lookahead and (lookahead > 1 or (num_computed - 1) // hb
+                               != (state.num_computed_tokens - 1) // hb))
         ):  # no group's full-block count changes while the tokens stay inside one hb block
-            coordinator.cache_blocks(req_id, state.block_hashes, state.num_computed_tokens,
+            # (under lookahead hashes, nor while the hashed tokens do: a decode step's
+            # token can complete the hash of the block before it)
+            cacheable = state.num_computed_tokens - max(0, lookahead - 1)
+            coordinator.cache_blocks(req_id, state.block_hashes, cacheable,
                                      state.num_prompt_tokens, state.junction_tokens,
                                      state.bridge_end_tokens if state.window_floor_tokens
                                      else 0)

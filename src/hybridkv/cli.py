@@ -22,6 +22,7 @@ from hybridkv.sim.commands import (
     cmd_replay,
     cmd_sweep,
 )
+from hybridkv.sim.report import REPORT_HELP
 
 
 def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +40,7 @@ def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=None,
                         help="token budget per step (default 8192)")
     parser.add_argument("--hash-algo", choices=("sha256", "xxhash"), default="sha256")
-    parser.add_argument("--eagle", action="store_true", help="EAGLE/MTP drop mode")
+    parser.add_argument("--eagle", action="store_true", help="EAGLE/MTP (lookahead block hashes)")
 
 
 def _add_pool_arguments(parser: argparse.ArgumentParser, *, many: bool) -> None:
@@ -57,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hybridkv", description="Prefix-cache replay and verification for hybrid models")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    replay = sub.add_parser("replay", help="replay a trace or workload under retention policies")
+    replay = sub.add_parser("replay", help="replay a trace or workload under retention policies",
+                            description=REPORT_HELP,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_source_arguments(replay)
     _add_pool_arguments(replay, many=False)
     replay.add_argument("--policy", default="core",

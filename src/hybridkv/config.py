@@ -76,9 +76,20 @@ class CacheConfig:
         num_blocks: pool size *including* the reserved null block 0.
         enable_caching: prefix caching on/off (off: every lookup misses, nothing is hashed).
         hash_algo: ``"sha256"`` (collision resistant, default) or ``"xxhash"`` (128-bit, fast).
-        use_eagle: EAGLE/MTP drop mode: lookups match one extra block and drop it.
-        eagle_group_ids: the groups the drafter reads (``None``: every group). Groups with
-            an identical spec share the flag when any of them has it.
+        use_eagle: an EAGLE/MTP drafter reads the cache. Its KV at a block's last slot was
+            computed from the token after the block, so by default (vLLM 0.33's default) each
+            block hash also covers the ``eagle_lookahead_tokens`` tokens after the block and
+            is emitted only once they exist: two copies of one block followed by different
+            tokens get different hashes, and lookups need no drop.
+        eagle_lookahead_tokens: tokens after a block its hash covers under EAGLE (1 for
+            EAGLE / EAGLE-3 / single-module MTP, the speculative token count for
+            multi-module MTP, whose last ``L - 1`` computed tokens are never cached).
+        eagle_block_drop: the older EAGLE drop mode instead of lookahead hashes (vLLM with
+            ``disable_lookahead_block_hashes``): lookups match one extra block and drop it.
+            It can hand out a block whose drafter KV came from another next token when
+            two copies of the block exist (see ``tests/unit/test_eagle_lookahead.py``).
+        eagle_group_ids: the groups the drafter reads (``None``: every group), used by the
+            drop mode. Groups with an identical spec share the flag when any of them has it.
         max_num_batched_tokens: tokens in flight per step; caps a window group's admission need.
         max_model_len: longest sequence; ``None`` means unbounded.
     """
@@ -89,6 +100,8 @@ class CacheConfig:
     hash_algo: HashAlgo = "sha256"
     use_eagle: bool = False
     eagle_group_ids: tuple[int, ...] | None = None
+    eagle_lookahead_tokens: int = 1
+    eagle_block_drop: bool = False
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
 
@@ -107,6 +120,9 @@ class CacheConfig:
         ):
             raise ConfigError("eagle_group_ids", self.eagle_group_ids,
                               f"group ids must be in [0, {len(self.groups)})")
+        if not isinstance(self.eagle_lookahead_tokens, int) or self.eagle_lookahead_tokens < 1:
+            raise ConfigError("eagle_lookahead_tokens", self.eagle_lookahead_tokens,
+                              "must be a positive number of tokens (1 for EAGLE)")
         if self.max_num_batched_tokens <= 0:
             raise ConfigError("max_num_batched_tokens", self.max_num_batched_tokens,
                               "must be a positive number of tokens")
@@ -118,6 +134,24 @@ class CacheConfig:
                     **options: object) -> CacheConfig:
         """Plan groups from per-layer specs and build a config (options as in the fields)."""
         return cls(plan_cache_groups(layer_specs), num_blocks, **options)  # type: ignore[arg-type]
+
+    @property
+    def drops_eagle_block(self) -> bool:
+        """EAGLE in drop mode: lookups peek one block past the hit and drop it."""
+        return self.use_eagle and self.eagle_block_drop
+
+    @property
+    def hash_lookahead_tokens(self) -> int:
+        """Tokens after each block that its hash covers (``L``; 0 without EAGLE lookahead).
+
+        >>> from hybridkv.specs import FullAttentionSpec as F
+        >>> [CacheConfig.from_layers([F(4, 1)], 8, use_eagle=e, eagle_block_drop=d)
+        ...  .hash_lookahead_tokens for e, d in ((False, False), (True, False), (True, True))]
+        [0, 1, 0]
+        """
+        if not self.use_eagle or self.eagle_block_drop or not self.enable_caching:
+            return 0
+        return self.eagle_lookahead_tokens
 
     @property
     def alignment_tokens(self) -> int:

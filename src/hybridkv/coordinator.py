@@ -67,13 +67,13 @@ class HybridCoordinator:
         self.retention = retention
         self.alignment_tokens = config.alignment_tokens
         self.hash_block_size = config.hash_block_size
-        self.use_eagle = config.use_eagle
+        self.use_eagle = config.drops_eagle_block  # lookahead hashes need no drop
         self.managers: list[GroupManager] = []
         eagle_ids = _eagle_group_ids(config)
         for group in config.groups:
             manager_cls = MANAGER_FOR_SPEC[type(group.spec)]
             if manager_cls is ChunkedLocalManager:
-                _validate_chunked(group.spec, self.alignment_tokens, config.use_eagle)
+                _validate_chunked(group.spec, self.alignment_tokens, self.use_eagle)
             self.managers.append(manager_cls(
                 group, pool, retention, alignment_tokens=self.alignment_tokens,
                 use_eagle=False,
@@ -412,7 +412,8 @@ def _bridge_tokens(config: CacheConfig) -> int | None:
 
 
 def _eagle_group_ids(config: CacheConfig) -> set[int]:
-    if not config.use_eagle:
+    """Groups that drop EAGLE's block (none under lookahead hashes, vLLM 0.33's default)."""
+    if not config.drops_eagle_block:
         return set()
     if config.eagle_group_ids is None:
         return set(range(len(config.groups)))

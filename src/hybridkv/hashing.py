@@ -12,6 +12,16 @@ canonical byte string (never ``hash()``/pickle), so hashes never depend on
 >>> b = hasher.hash_blocks(list(range(8)) + [99, 99, 99, 99])
 >>> a[:2] == b[:2], len(b)
 (True, 3)
+
+With ``lookahead_tokens`` L (EAGLE), block ``i`` also covers the L tokens after it and is
+hashed only once they exist, so equal blocks followed by different tokens differ:
+
+>>> eagle = BlockHasher(block_size=4, algo="sha256", lookahead_tokens=1)
+>>> len(eagle.hash_blocks(list(range(8)))), len(eagle.hash_blocks(list(range(9))))
+(1, 2)
+>>> x, y = eagle.hash_blocks([0, 1, 2, 3, 7]), eagle.hash_blocks([0, 1, 2, 3, 8])
+>>> x == y
+False
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from hybridkv.ids import BlockHash
 HashFn = Callable[[bytes], bytes]
 
 _ROOT_SEED = b"hybridkv/block-hash/v1"
+_LOOKAHEAD_ROOT_SEED = b"hybridkv/block-hash-lookahead/v1/"
 _SWAP_TO_LITTLE_ENDIAN = sys.byteorder == "big"
 
 
@@ -110,17 +121,32 @@ class BlockHasher:
     Args:
         block_size: tokens per hashed block (the config's ``hash_block_size``).
         algo: ``"sha256"`` or ``"xxhash"``.
+        lookahead_tokens: tokens after each block its hash also covers (EAGLE's drafter KV
+            at the block's last slot depends on them; the config's ``hash_lookahead_tokens``).
+            Their ids join the block's bytes and the extra keys cover them too; the chain
+            has its own root, so it never meets a chain without lookahead.
     """
 
-    def __init__(self, block_size: int, algo: HashAlgo = "sha256") -> None:
+    def __init__(self, block_size: int, algo: HashAlgo = "sha256",
+                 lookahead_tokens: int = 0) -> None:
         if algo not in HASH_FUNCTIONS:
             raise ConfigError("hash_algo", algo, f"choose one of {sorted(HASH_FUNCTIONS)}")
         if block_size <= 0:
             raise ConfigError("block_size", block_size, "must be a positive number of tokens")
+        if lookahead_tokens < 0:
+            raise ConfigError("lookahead_tokens", lookahead_tokens, "must be >= 0")
         self.block_size = block_size
         self.algo = algo
+        self.lookahead_tokens = lookahead_tokens
         self._fn = HASH_FUNCTIONS[algo]
-        self.root_hash = BlockHash(self._fn(_ROOT_SEED))
+        seed = _ROOT_SEED if not lookahead_tokens else \
+            _LOOKAHEAD_ROOT_SEED + str(lookahead_tokens).encode()
+        self.root_hash = BlockHash(self._fn(seed))
+
+    def num_hashable_blocks(self, num_tokens: int) -> int:
+        """Blocks of a ``num_tokens``-token sequence that have a hash:
+        ``max(0, num_tokens - lookahead) // block_size``."""
+        return max(0, num_tokens - self.lookahead_tokens) // self.block_size
 
     def hash_block(self, parent: BlockHash | None, token_ids: Sequence[int],
                    extra: bytes = b"") -> BlockHash:
@@ -139,17 +165,37 @@ class BlockHasher:
         fn = self._fn
         hashes: list[BlockHash] = []
         prev = self.root_hash if parent is None else parent
-        num_full = len(token_ids) // bs
+        lookahead = self.lookahead_tokens
+        num_full = max(0, len(token_ids) - lookahead) // bs
         if num_full == 0:
             return hashes
+        keys = None if extra_keys is None or extra_keys.is_empty else extra_keys
+        if lookahead:
+            return self._hash_with_lookahead(token_ids, prev, num_full, first_block_idx, keys)
         encoded = encode_token_ids(token_ids[: num_full * bs])
         width = 8 * bs
-        keys = None if extra_keys is None or extra_keys.is_empty else extra_keys
         for i in range(num_full):
             chunk = encoded[i * width : (i + 1) * width]
             if keys is not None:
                 start = (first_block_idx + i) * bs
                 chunk += keys.encode_for_block(start, start + bs)
+            prev = BlockHash(fn(prev + chunk))
+            hashes.append(prev)
+        return hashes
+
+    def _hash_with_lookahead(self, token_ids: Sequence[int], prev: BlockHash, num_full: int,
+                             first_block_idx: int, keys: ExtraKeys | None) -> list[BlockHash]:
+        """``hash_blocks`` with each block's bytes followed by the next L token ids (and the
+        extra keys of the block plus those tokens)."""
+        bs, lookahead, fn = self.block_size, self.lookahead_tokens, self._fn
+        encoded = encode_token_ids(token_ids[: num_full * bs + lookahead])
+        width, span = 8 * bs, 8 * (bs + lookahead)
+        hashes: list[BlockHash] = []
+        for i in range(num_full):
+            chunk = encoded[i * width : i * width + span]
+            if keys is not None:
+                start = (first_block_idx + i) * bs
+                chunk += keys.encode_for_block(start, start + bs + lookahead)
             prev = BlockHash(fn(prev + chunk))
             hashes.append(prev)
         return hashes

@@ -11,7 +11,9 @@ import pytest
 
 from hybridkv.engine.compressed import (
     CompressionRule,
+    completed_entries,
     compressed_attention,
+    indexer_selection,
     pool_entries,
     pool_sequence_reference,
     state_rows,
@@ -105,12 +107,30 @@ def test_queries_read_only_completed_entries() -> None:
     q = torch.randn(12, 2, 4, generator=g, dtype=F64)
     k, v = (torch.randn(12, 1, 4, generator=g, dtype=F64) for _ in range(2))
     entries = torch.randn(3, 1, 4, generator=g, dtype=F64)
-    out = compressed_attention(q, k, v, entries, q_start=0, kv_start=0, rule=rule, scale=0.5)
+    allowed = completed_entries(0, 12, 3, rule, "cpu")
+    out = compressed_attention(q, k, v, entries, allowed, q_start=0, rule=rule, scale=0.5)
     bumped = entries.clone()
     bumped[1] += 1.0                                  # entry 1 = tokens 4..7
-    again = compressed_attention(q, k, v, bumped, q_start=0, kv_start=0, rule=rule, scale=0.5)
+    again = compressed_attention(q, k, v, bumped, allowed, q_start=0, rule=rule, scale=0.5)
     differs = [p for p in range(12) if not torch.equal(out[p], again[p])]
     assert differs == list(range(7, 12))              # from token 7, its chunk's last
+
+
+def test_indexer_keeps_the_topk_allowed_entries_ties_to_the_lower_index() -> None:
+    keys = torch.tensor([[2.0], [1.0], [2.0], [-1.0], [5.0]], dtype=F64)
+    q, w = torch.ones(1, 1, 1, dtype=F64), torch.ones(1, 1, dtype=F64)
+    allowed = torch.tensor([[True, True, True, True, False]])
+    assert indexer_selection(q, w, keys, allowed, topk=2).tolist() == [[True, False, True,
+                                                                        False, False]]
+    # negated query: entry 3 scores 1, the others relu to 0 and tie, lower index first
+    assert indexer_selection(-q, w, keys, allowed, topk=3).tolist() == [[True, True, False,
+                                                                         True, False]]
+    # fewer allowed entries than topk: all of them, nothing else
+    few = torch.tensor([[False, True, False, False, False]])
+    assert indexer_selection(q, w, keys, few, topk=3).tolist() == few.tolist()
+    # entries no query may read yet never change the choice (stable sort)
+    cut = indexer_selection(q, w, keys[:4], allowed[:, :4], topk=2)
+    assert cut.tolist() == [[True, False, True, False]]
 
 
 # ----------------------------------------------------------------- model and paged engine
@@ -162,6 +182,16 @@ def test_compressed_layers_change_the_output() -> None:
     assert float((with_entries[-1] - without[-1]).abs().max()) > 1e-3
 
 
+def test_indexer_narrows_the_entries_and_covers_all_when_topk_is_large() -> None:
+    prompt = _prompt(48, 4)
+    logits = {topk: sequence_logits(CompressedDecoder(
+        CompressedModelConfig.tiny(index_topk=topk), seed=0), prompt) for topk in (0, 3, 99)}
+    assert float((logits[99] - logits[0]).abs().max()) < 1e-12   # every entry selected
+    assert float((logits[3][-1] - logits[0][-1]).abs().max()) > 1e-3
+    # up to token 14 a C4 query has at most 3 completed entries: all selected
+    assert float((logits[3][:15] - logits[0][:15]).abs().max()) < 1e-12
+
+
 def test_prefix_hits_are_exact_and_use_every_role() -> None:
     shape = CompressedModelConfig.tiny()
     model = CompressedDecoder(shape, seed=0)
@@ -178,7 +208,7 @@ def test_prefix_hits_are_exact_and_use_every_role() -> None:
         assert max(float((x - y).abs().max()) for x, y in
                    zip(a.sampled_logits, b.sampled_logits, strict=True)) < 1e-12
     roles = {layer.role for layer in layout.layers}
-    assert roles == {"window", "entries", "state"}
+    assert roles == {"window", "entries", "state", "indexer", "indexer_state"}
 
 
 # ------------------------------------------------------------------------ config and pool

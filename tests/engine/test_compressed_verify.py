@@ -69,7 +69,7 @@ def test_hits_identical_under_every_policy_kind_including_bridges() -> None:
 
 def test_preemption_readmission_and_eagle_are_identical() -> None:
     report = _verify(("latest", "prepend"), eagle=True,
-                     settings=VerifySettings(num_blocks=130, chunk_size=48, max_running=8))
+                     settings=VerifySettings(num_blocks=190, chunk_size=48, max_running=8))
     assert report.ok, report.first_divergence()
     assert any(o.num_preemptions and o.readmission_hit_tokens for o in report.outcomes)
     assert any(o.eagle and o.hit_tokens for o in report.outcomes)
@@ -171,6 +171,29 @@ def test_never_written_compressed_block_poisons_logits(monkeypatch: pytest.Monke
     assert not report.ok and report.outcomes[0].max_logit_diff == float("inf")
 
 
+def test_sabotaged_indexer_blocks_are_caught(monkeypatch: pytest.MonkeyPatch,
+                                             hits: dict[str, int]) -> None:
+    """Indexer keys decide which entries a query reads: a duplicated indexer block changes
+    the choice (divergence); a null one is refused."""
+    def duplicate(table: list[int], num_hit_blocks: int) -> None:
+        if num_hit_blocks >= 2:
+            table[1] = table[0]
+
+    _corrupt(monkeypatch, hits, _group_of(C4_LAYER, "indexer"), duplicate)
+    report = _verify()
+    assert not report.ok and report.outcomes[0].max_logit_diff < float("inf")
+
+
+def test_null_indexer_block_raises(monkeypatch: pytest.MonkeyPatch,
+                                   hits: dict[str, int]) -> None:
+    def drop_first(table: list[int], num_hit_blocks: int) -> None:
+        table[0] = 0
+
+    _corrupt(monkeypatch, hits, _group_of(3, "indexer"), drop_first)
+    with pytest.raises(InvariantViolation, match=r"layer 3 indexer .*: entry 0 is needed"):
+        _verify()
+
+
 def test_stale_compressor_state_diverges(monkeypatch: pytest.MonkeyPatch,
                                          hits: dict[str, int]) -> None:
     """The C4 layer's residual state before the hit (rows ``[h - 4, h)``, the chunk the
@@ -189,6 +212,6 @@ def test_cli_verify_pattern_v4(capsys: pytest.CaptureFixture[str]) -> None:
                  "latest", "--compressed-block-size", "16"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "('window', 'C4', 'C16', 'C4')" in out and "all identical" in out
+    assert "('window', 'C4+indexer', 'C16', 'C4+indexer')" in out and "all identical" in out
     assert main(["verify", "--pattern", "v4", "--compressed-block-size", "24"]) == 2
     assert "must be a multiple of every compress ratio" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """Shared hypothesis strategies and oracles for the property tests.
 
 ``hybrid_setups()`` draws small hybrid models (1–3 groups of full / sliding-window /
-chunked-local layers, block sizes in {2, 4, 8}), a retention policy, EAGLE on/off and a
+chunked-local layers, block sizes in {2, 4, 8}), a retention policy, EAGLE off / lookahead
+hashes / drop mode and a
 small pool that forces eviction and refusals. ``needed_blocks`` is the reference answer to
 "which blocks of group g must a request hold to compute position p next".
 """
@@ -35,11 +36,13 @@ class HybridSetup:
     policy: str
     use_eagle: bool
     eagle_group_ids: tuple[int, ...] | None
+    eagle_block_drop: bool = False
+    """EAGLE in the older drop mode (else lookahead hashes, the default)."""
 
     def build(self) -> KVCacheManager:
         config = CacheConfig.from_layers(
             self.layers, self.num_blocks, use_eagle=self.use_eagle,
-            eagle_group_ids=self.eagle_group_ids)
+            eagle_group_ids=self.eagle_group_ids, eagle_block_drop=self.eagle_block_drop)
         return KVCacheManager(config, self.policy)
 
 
@@ -103,14 +106,15 @@ def hybrid_setups(draw: st.DrawFn, *, typical_tokens: int = 24) -> HybridSetup:
         policy = kind
     groups = CacheConfig.from_layers(layers, 2).groups
     has_chunked = any(isinstance(s, ChunkedLocalSpec) for s in layers)
-    use_eagle = not has_chunked and draw(st.integers(0, 2)) == 0
+    use_eagle = draw(st.integers(0, 2)) == 0
     eagle_group_ids = None
-    if use_eagle and draw(st.booleans()):
+    eagle_block_drop = use_eagle and not has_chunked and draw(st.booleans())
+    if eagle_block_drop and draw(st.booleans()):
         eagle_group_ids = tuple(sorted(draw(st.sets(
             st.integers(0, len(groups) - 1), min_size=1, max_size=len(groups)))))
     per_request = sum(-(-typical_tokens // g.spec.block_size) for g in groups)
     num_blocks = 1 + draw(st.integers(max(2, per_request // 2), per_request * 4))
-    return HybridSetup(layers, num_blocks, policy, use_eagle, eagle_group_ids)
+    return HybridSetup(layers, num_blocks, policy, use_eagle, eagle_group_ids, eagle_block_drop)
 
 
 def needed_blocks(spec: LayerSpec, num_tokens: int) -> range:

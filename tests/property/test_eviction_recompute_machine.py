@@ -57,7 +57,8 @@ class EvictionRecomputeMachine(ManagerMachine):
             retention = "latest"
         policy = retention + eviction + ("+recompute" if recompute else "")
         super().init_manager(HybridSetup(setup.layers, setup.num_blocks, policy,
-                                         setup.use_eagle, setup.eagle_group_ids))
+                                         setup.use_eagle, setup.eagle_group_ids,
+                                         setup.eagle_block_drop))
         self.bridges = 0
         evictor = self.manager.pool.eviction
         if evictor is not None and evictor.predictor is not None:  # learn fast, flip often

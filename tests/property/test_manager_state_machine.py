@@ -75,8 +75,14 @@ class ManagerMachine(RuleBasedStateMachine):
         config = self.manager.config
         self.align = config.alignment_tokens
         self.specs = [g.spec for g in config.groups]
-        self.hasher = BlockHasher(config.hash_block_size, config.hash_algo)
+        self.hasher = BlockHasher(config.hash_block_size, config.hash_algo,
+                                  config.hash_lookahead_tokens)
+        self.lookahead = config.hash_lookahead_tokens
+        self.drops = config.drops_eagle_block
         self.content: dict[int, Content | None] = {}
+        self.drafter_next: dict[int, tuple[int, ...] | None] = {}
+        """EAGLE (lookahead hashes): per block, the tokens after it from which its computing
+        request's drafter wrote the KV of its last slot (``None`` until they exist)."""
         self.sequences: dict[str, list[int]] = {}
         self.next_id = 0
         self.num_hits = 0
@@ -108,18 +114,26 @@ class ManagerMachine(RuleBasedStateMachine):
         for group_ids in new_block_ids:
             for block_id in group_ids:
                 self.content[block_id] = None
+                self.drafter_next[block_id] = None
         tokens = self.tokens(req_id)
         self.sequences[req_id] = tokens[:end]  # computed prefixes seed later prompts
         boundaries = self.guaranteed_boundaries(req_id, end)
         self.retained[self.lifetime[req_id]] = (
-            tuple(tokens[:end]), boundaries, self.evictions_at_admission[req_id])
-        if not self.setup_.use_eagle:
+            tuple(tokens[:end + self.lookahead]), boundaries,
+            self.evictions_at_admission[req_id])
+        if not self.drops:
             self.check_boundaries_hashed(req_id, [b for b in boundaries if start <= b <= end])
+        num_known = len(tokens) - self.lookahead
         for group_id, table in enumerate(self.manager.get_block_ids(req_id)):
             bs = self.specs[group_id].block_size
             for idx, block_id in enumerate(table):
-                if block_id and start < (idx + 1) * bs <= end:
+                block_end = (idx + 1) * bs
+                if block_id and start < block_end <= end:
                     self.content[block_id] = self.expected(group_id, tokens, idx)
+                if block_id and self.lookahead and block_end <= min(end, num_known) \
+                        and self.drafter_next.get(block_id) is None:
+                    self.drafter_next[block_id] = tuple(
+                        tokens[block_end : block_end + self.lookahead])
 
     def check_hit(self, req_id: str, hit: PrefixHit) -> None:
         tokens = self.tokens(req_id)
@@ -140,7 +154,14 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert got == self.expected(group_id, tokens, idx), (
                     f"group {group_id} hit block {block.block_id} at index {idx} holds "
                     f"{got}, request needs {self.expected(group_id, tokens, idx)}")
-        if not self.setup_.use_eagle:
+                if self.lookahead:  # the drafter KV of its last slot saw our next tokens
+                    end = (idx + 1) * spec.block_size
+                    assert self.drafter_next.get(block.block_id) == \
+                        tuple(tokens[end : end + self.lookahead]), (
+                        f"group {group_id} hit block {block.block_id}: drafter KV written "
+                        f"before {self.drafter_next.get(block.block_id)}, request continues "
+                        f"with {tokens[end : end + self.lookahead]}")
+        if not self.drops:
             assert p == self.brute_force_hit(tokens, limit), "hit is not maximal"
             self.check_retention(tokens, p)
         if p:
@@ -157,6 +178,8 @@ class ManagerMachine(RuleBasedStateMachine):
         (``interval:N``) and the prompt's replay boundary (``interval``, ``latest``).
         Earlier positions relied on blocks of other requests, which may be gone."""
         hit, align = self.hit_at_admission[req_id], self.align
+        # under lookahead hashes a block is hashed only once the tokens after it exist
+        num_computed = min(num_computed, len(self.tokens(req_id)) - self.lookahead)
         kind, _, arg = self.setup_.policy.partition(":")
         step = int(arg) if kind == "interval" else align
         replay = (self.prompt_len[req_id] - 1) // align * align
@@ -192,7 +215,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 if a != b:
                     break
                 shared += 1
-            reachable = [b for b in boundaries if b <= min(shared, limit)]
+            reachable = [b for b in boundaries
+                         if b <= min(shared - self.lookahead, limit)]
             if reachable:
                 assert num_hit >= max(reachable), (
                     f"policy {self.setup_.policy}: boundary {max(reachable)} of an earlier "

@@ -122,7 +122,8 @@ def test_retention_table(prompt: int, eagle: bool, policy: str, swa_hashed: set[
     """§3.5.5: full bs32 + SWA bs8 w8, token i = i // 8, request freed after prefill, then an
     identical resend and an extension by 40 tokens. EAGLE means only the SWA group is an
     EAGLE group (``eagle_group_ids=(1,)``). Table lengths are [hit / 32, hit / 8]."""
-    options = {"use_eagle": True, "eagle_group_ids": (1,)} if eagle else {}
+    options = {"use_eagle": True, "eagle_block_drop": True, "eagle_group_ids": (1,)} \
+        if eagle else {}
     manager = build([FULL32, SWA8], 100, policy, **options)
     tokens = distinct_blocks(prompt)
     prefill(manager, "r", tokens)
@@ -204,7 +205,7 @@ def test_eagle_full_attention_only() -> None:
     Like vLLM's unitary coordinator, a single group adds no EAGLE margin (the peek past the
     cap is a hybrid-coordinator feature, §4.2), so a resend of a cached 48-token prompt hits
     16 (cap 47 → 2 blocks → drop one). A 37-token prompt hits 16 too (2 matched − drop)."""
-    manager = build([FullAttentionSpec(16, 1)], 20, use_eagle=True)
+    manager = build([FullAttentionSpec(16, 1)], 20, use_eagle=True, eagle_block_drop=True)
     tokens = distinct_blocks(48, 16)
     prefill(manager, "a", tokens)
     manager.add_request("b", tokens)
@@ -217,7 +218,7 @@ def test_eagle_full_attention_only() -> None:
 def test_eagle_pure_sliding_window() -> None:
     """§6.1 item 35: pure SWA w16 (need 1 + 1), 37 tokens: resend hits 16; once block 0's
     key is evicted: 0 (block 1 alone is no 2-block run and the leading run is empty)."""
-    manager = build([SlidingWindowSpec(16, 1, 16)], 20, use_eagle=True)
+    manager = build([SlidingWindowSpec(16, 1, 16)], 20, use_eagle=True, eagle_block_drop=True)
     tokens = distinct_blocks(37, 16)
     prefill(manager, "a", tokens)
     manager.add_request("b", tokens)
@@ -230,13 +231,13 @@ def test_eagle_swa_caches_post_boundary_block() -> None:
     """§6.1 items 36–37: full bs32 + SWA bs8 w8 (SWA is the EAGLE group). A 128-token prompt
     resend hits a positive multiple of 32; a 40-token prompt caches SWA blocks 3 and 4 (the
     block after the boundary) and prompt + 1 token hits 32."""
-    manager = build([FULL32, SWA8], 60, use_eagle=True, eagle_group_ids=(1,))
+    manager = build([FULL32, SWA8], 60, use_eagle=True, eagle_block_drop=True, eagle_group_ids=(1,))
     tokens = distinct_blocks(128)
     prefill(manager, "a", tokens)
     manager.add_request("b", tokens)
     num_hit = manager.find_longest_hit("b").num_tokens
     assert num_hit > 0 and num_hit % 32 == 0
-    manager = build([FULL32, SWA8], 60, use_eagle=True, eagle_group_ids=(1,))
+    manager = build([FULL32, SWA8], 60, use_eagle=True, eagle_block_drop=True, eagle_group_ids=(1,))
     tokens = distinct_blocks(40)
     prefill(manager, "a", tokens)
     assert hashed(manager, 1, "a") == {3, 4}
@@ -650,7 +651,7 @@ def test_dsv4_like_masks_through_the_manager(eagle: bool) -> None:
     with EAGLE: (i-1)%32 ≥ 15). A resend hits 768 without EAGLE."""
     layers = [FullAttentionSpec(256, 1), SlidingWindowSpec(64, 1, 128),
               SlidingWindowSpec(4, 1, 8), SlidingWindowSpec(8, 1, 128)]
-    manager = build(layers, 420, "reachable", use_eagle=eagle)
+    manager = build(layers, 420, "reachable", use_eagle=eagle, eagle_block_drop=eagle)
     tokens = list(range(1024))
     prefill(manager, "r", tokens)
     shift = 1 if eagle else 0

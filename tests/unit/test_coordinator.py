@@ -121,7 +121,7 @@ EAGLE_COMMON = [i // BS for i in range(6 * BS)]
 
 
 def eagle_manager() -> KVCacheManager:
-    manager = build([FULL, EAGLE_SW, EAGLE_SW], 60, use_eagle=True)
+    manager = build([FULL, EAGLE_SW, EAGLE_SW], 60, use_eagle=True, eagle_block_drop=True)
     assert fill(manager, "0", [*EAGLE_COMMON, *range(100, 107)]) == (
         tuple(range(1, 8)), tuple(range(8, 15)), tuple(range(15, 22)))
     manager.add_request("1", [*EAGLE_COMMON, *range(200, 207)])
@@ -179,7 +179,7 @@ def test_prefill_hybrid_model_combinations(layers: list[object], policy: str) ->
 
 def test_prefill_hybrid_model_combinations_eagle() -> None:
     """§6.1 item 5: full + SWA(w32), EAGLE: 64 common + different 5 → 3 blocks (48)."""
-    manager = build([FULL, SW], 30, use_eagle=True)
+    manager = build([FULL, SW], 30, use_eagle=True, eagle_block_drop=True)
     common = [i // BS for i in range(4 * BS)]
     fill(manager, "0", [*common, *range(100, 107)])
     manager.add_request("1", [*common, *range(200, 205)])
@@ -306,7 +306,7 @@ def test_spec_groups_put_full_attention_first_and_bundle_identical_specs() -> No
 ])
 def test_eagle_flags(eagle_group_ids: tuple[int, ...] | None, flags: list[bool]) -> None:
     manager = build([FullAttentionSpec(32, 1), SlidingWindowSpec(8, 1, 8),
-                     SlidingWindowSpec(8, 1, 8)], 20, use_eagle=True,
+                     SlidingWindowSpec(8, 1, 8)], 20, use_eagle=True, eagle_block_drop=True,
                     eagle_group_ids=eagle_group_ids)
     assert [m.use_eagle for m in manager.coordinator.managers] == flags
     no_eagle = build([FULL, SW], 20, eagle_group_ids=(1,))
@@ -318,7 +318,7 @@ def test_grouped_swa_siblings_use_the_same_cache_mask() -> None:
     SWA groups cache the EAGLE tails {3, 4, 7, 8} (block 8 is the one past the aligned
     boundary 64); prompt + 1 token hits 64."""
     swa = SlidingWindowSpec(8, 1, 8)
-    manager = build([FullAttentionSpec(32, 1), swa, swa], 40, use_eagle=True,
+    manager = build([FullAttentionSpec(32, 1), swa, swa], 40, use_eagle=True, eagle_block_drop=True,
                     eagle_group_ids=(2,))
     tokens = [i // 8 for i in range(72)]
     fill(manager, "0", tokens)
@@ -331,8 +331,8 @@ def test_grouped_swa_siblings_use_the_same_cache_mask() -> None:
 @pytest.mark.parametrize(("layers", "options", "field"), [
     ([FullAttentionSpec(32, 1), ChunkedLocalSpec(16, 1, 64)], {}, "block_size"),
     ([ChunkedLocalSpec(16, 1, 24)], {}, "attention_chunk_size"),
-    ([FullAttentionSpec(16, 1), ChunkedLocalSpec(16, 1, 64)], {"use_eagle": True},
-     "use_eagle"),
+    ([FullAttentionSpec(16, 1), ChunkedLocalSpec(16, 1, 64)],
+     {"use_eagle": True, "eagle_block_drop": True}, "use_eagle"),
 ])
 def test_chunked_local_constraints(layers: list[object], options: dict[str, object],
                                    field: str) -> None:

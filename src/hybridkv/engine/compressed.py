@@ -16,8 +16,9 @@ adds a learned per-offset bias ``ape[p % r]`` to the score. These per-token *sta
 Queries at ``p`` read the raw window ``[p - (w - 1), p]`` and the entries of completed chunks
 ``j < (p + 1) // r``, under one softmax. This is vLLM 0.33's V4 compressor
 (``save_partial_states`` + ``compress_norm_rope_store``): state window ``halves * r`` tokens,
-entries at the chunk's first position. Not modelled: the lightning indexer's top-k selection
-(C4 layers here read every completed entry), the attention sink, FP8/FP4 storage.
+entries at the chunk's first position. On C4 layers the lightning indexer (its own
+compressor, keys pooled the same way) narrows the entries a query reads to its top-k
+(``indexer_selection``). Not modelled: the attention sink, FP8/FP4 storage.
 
 Worked example (``r = 4``, overlapping): entry 2 pools rows 4..11 (chunk 1 through its first
 half, chunk 2 through its second half) once token 11 is computed; token 10 still reads only
@@ -162,26 +163,61 @@ def pool_sequence_reference(rows: torch.Tensor, rule: CompressionRule, *,
     return torch.stack(out).reshape(-1, kv_heads, width // kv_heads)
 
 
+def completed_entries(q_start: int, num_queries: int, num_entries: int,
+                      rule: CompressionRule, device: torch.device | str) -> torch.Tensor:
+    """``[Q, E]``: may query ``q_start + i`` read entry ``j`` (``j < (p + 1) // r``)."""
+    qp = torch.arange(q_start, q_start + num_queries, device=device)[:, None]
+    entry_ids = torch.arange(num_entries, device=device)[None, :]
+    return entry_ids < torch.div(qp + 1, rule.compress_ratio, rounding_mode="floor")
+
+
+def indexer_selection(q_index: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                      allowed: torch.Tensor, *, topk: int) -> torch.Tensor:
+    """The lightning indexer: the ``topk`` allowed entries a query reads.
+
+    ``q_index`` ``[Q, IH, ID]``, ``weights`` ``[Q, IH]``, indexer ``keys`` ``[E, ID]``,
+    ``allowed`` ``[Q, E]``. Score of entry ``j``: ``sum_h w_h * relu(q_h . k_j)`` (scaled by
+    ``(ID * IH) ** -0.5`` as vLLM's ``fused_indexer_q_rope_quant``); the ``topk`` best
+    allowed entries win, ties to the lower index (a stable sort: the choice never depends
+    on how many not-yet-allowed entries a chunk gathered); all of them when at most
+    ``topk`` are allowed. Returns ``[Q, E]`` booleans.
+
+    >>> keys = torch.tensor([[1.0], [3.0], [2.0], [0.5]])
+    >>> q, w = torch.ones(2, 1, 1), torch.ones(2, 1)
+    >>> allowed = torch.tensor([[True, True, True, True], [True, False, False, True]])
+    >>> indexer_selection(q, w, keys, allowed, topk=2).int().tolist()
+    [[0, 1, 1, 0], [1, 0, 0, 1]]
+    """
+    scale = (q_index.shape[-1] * q_index.shape[1]) ** -0.5
+    scores = (torch.einsum("qhd,ed->qhe", q_index, keys).relu()
+              * (weights * scale)[:, :, None]).sum(dim=1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
+    chosen = torch.zeros_like(allowed).scatter(1, order, True)
+    return chosen & allowed
+
+
 def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         entries: torch.Tensor, *, q_start: int, kv_start: int,
+                         entries: torch.Tensor, entry_allowed: torch.Tensor, *, q_start: int,
                          rule: CompressionRule, scale: float) -> torch.Tensor:
     """Explicit-mask attention over a raw window and compressed entries (float64 path).
 
     ``q`` ``[Q, H, D]`` at positions ``[q_start, q_start + Q)``; raw ``k``/``v``
-    ``[K, KVH, D]`` at ``[kv_start, kv_start + K)``; ``entries`` ``[E, KVH, D]`` are
-    entries ``0 .. E - 1`` (each both key and value). Query ``p`` reads raw keys
-    ``(p - rule.window, p]`` and entries ``j < (p + 1) // r``.
+    ``[K, KVH, D]`` at the ``K`` positions ending with the last query's; ``entries``
+    ``[E, KVH, D]`` are entries ``0 .. E - 1`` (each both key and value), of which query
+    ``i`` reads those with ``entry_allowed[i]`` (``completed_entries``, narrowed by
+    ``indexer_selection`` on indexed layers). Query ``p`` reads raw keys
+    ``(p - rule.window, p]``.
     """
     group = q.shape[1] // k.shape[1]
     device = q.device
+    kv_start = q_start + q.shape[0] - k.shape[0]
     qp = torch.arange(q_start, q_start + q.shape[0], device=device)[:, None]
     kp = torch.arange(kv_start, kv_start + k.shape[0], device=device)[None, :]
     raw_ok = (kp <= qp) & (kp > qp - rule.window)
-    entry_ids = torch.arange(entries.shape[0], device=device)[None, :]
-    entry_ok = entry_ids < torch.div(qp + 1, rule.compress_ratio, rounding_mode="floor")
     keys = torch.cat((k, entries)).repeat_interleave(group, dim=1)
     values = torch.cat((v, entries)).repeat_interleave(group, dim=1)
-    allowed = torch.cat((raw_ok, entry_ok), dim=1)
+    allowed = torch.cat((raw_ok, entry_allowed), dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, values)

@@ -4,13 +4,15 @@
 (the cache-layer index is the position in ``CompressedCacheLayout.layers``, the ``layer_ids``
 of ``CacheConfig.groups``):
 
-=========  =========================  =========================  ==========================
-role       one row holds              rows of a block            needed by a query at ``p``
-=========  =========================  =========================  ==========================
-window     raw ``k | v`` of a token   ``block_size`` tokens      tokens ``(p - w, p]``
-entries    one compressed entry       ``block_size // r``        entries ``[0, (p+1) // r)``
-state      ``kv | score+ape`` (token)  ``block_size`` tokens      rows pooled by new entries
-=========  =========================  =========================  ==========================
+=============  ==========================  ====================  =========================
+role           one row holds               rows of a block       read by a chunk
+=============  ==========================  ====================  =========================
+window         raw ``k | v`` of a token    ``block_size``        tokens ``(p - w, p]``
+entries        one compressed entry        ``block_size // r``   entries ``[0, (p+1) // r)``
+state          ``kv | score+ape`` (token)  ``block_size``        rows pooled by new entries
+indexer        one indexer key (C4)        ``block_size // r``   keys ``[0, (p+1) // r)``
+indexer_state  the indexer's state rows    ``block_size``        rows pooled by new keys
+=============  ==========================  ====================  =========================
 
 Item ``i`` (a token, or entry ``i`` = tokens ``[i*r, (i+1)*r)``) of a cache layer lives in
 block ``table[i // rows_per_block]`` at row ``i % rows_per_block``, where ``table`` is the
@@ -24,15 +26,18 @@ index in its group. Reading or writing an item whose table entry is the null blo
 the table, or out of the pool raises ``InvariantViolation`` naming request, layer, role and
 position; with ``poison`` fresh pages hold NaN.
 
-**Specs (until the compressed specs land).** window: ``SlidingWindowSpec(bs, w)``; entries:
-``FullAttentionSpec(block_size)`` (a hit needs every entry from 0, like full attention);
-state: ``SlidingWindowSpec(4 for C4 else 8, halves * r)`` (V4's compressor-state specs).
+**Specs (until the compressed specs land).** window: ``SlidingWindowSpec(bs, w)``; entries
+and indexer: ``FullAttentionSpec(block_size)`` (a hit needs every entry from 0, like full
+attention); state and indexer state: ``SlidingWindowSpec(4 for C4 else 8, halves * r)``
+(V4's compressor-state specs).
 
 **One chunk ``[start, end)`` of a compressed layer** (``engine.compressed`` for the math)::
 
     write raw k|v of [start, end); write state rows of [start, end)
     entries j in [max(start // r, F // r), end // r): pool state rows rows_of_entry(j)
         (earlier rows come from the pages: the residual state), norm, rope, write entry j
+    (indexed layers: the same for the indexer's state rows and keys; each query keeps
+     the top-k of the entries it may read by indexer score)
     attend over raw [max(start - w + 1, floor), end) and entries [0, end // r)
 
 ``F`` / ``floor`` come from ``KVCacheManager.prefill_plan`` (window-recompute bridges): a
@@ -53,9 +58,15 @@ from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
 from hybridkv.engine.attention import AttentionRule, reference_attention
 from hybridkv.engine.bridge import window_read_start
-from hybridkv.engine.compressed import compressed_attention, pool_entries, state_rows
+from hybridkv.engine.compressed import (
+    completed_entries,
+    compressed_attention,
+    pool_entries,
+    state_rows,
+)
 from hybridkv.engine.compressed_model import (
     CompressedDecoder,
+    CompressedInputs,
     CompressedModelConfig,
     v4_ratios,
 )
@@ -68,7 +79,7 @@ from hybridkv.errors import ConfigError, InvariantViolation
 from hybridkv.sim.scheduler import ScheduledChunk
 from hybridkv.specs import FullAttentionSpec, LayerSpec, SlidingWindowSpec
 
-CacheRole = Literal["window", "entries", "state"]
+CacheRole = Literal["window", "entries", "state", "indexer", "indexer_state"]
 
 V4_STATE_BLOCK_C4 = 4
 V4_STATE_BLOCK_OTHER = 8
@@ -142,6 +153,15 @@ class CompressedCacheLayout:
             state_block = V4_STATE_BLOCK_C4 if rule.halves == 2 else V4_STATE_BLOCK_OTHER
             layers.append(CacheLayer(layer_id, "state", SlidingWindowSpec(
                 state_block, 2 * width * self.dtype_bytes, rule.state_window), 1, 2 * width))
+            if self.shape.has_indexer(layer_id):
+                dim = self.shape.index_head_dim
+                index_width = self.shape.state_width(layer_id, indexer=True)
+                layers.append(CacheLayer(layer_id, "indexer", FullAttentionSpec(
+                    self.compressed_block_size, math.ceil(dim * self.dtype_bytes / ratio)),
+                    ratio, dim))
+                layers.append(CacheLayer(layer_id, "indexer_state", SlidingWindowSpec(
+                    state_block, 2 * index_width * self.dtype_bytes, rule.state_window),
+                    1, 2 * index_width))
         object.__setattr__(self, "layers", tuple(layers))
 
     def cache_layer(self, layer_id: int, role: CacheRole) -> int:
@@ -250,7 +270,7 @@ class PagedRows:
     def _raise(self, req_id: str, cache_layer: int, item: int, what: str) -> NoReturn:
         layer = self.layers[cache_layer]
         group = self.group_of(cache_layer)
-        noun = "entry" if layer.role == "entries" else "position"
+        noun = "entry" if layer.tokens_per_row > 1 else "position"
         raise InvariantViolation(
             f"request {req_id!r}, layer {layer.layer_id} {layer.role} (cache layer "
             f"{cache_layer}, group {group}): {noun} {item} {what}")
@@ -265,14 +285,23 @@ class PagedRows:
 
 
 @dataclass(slots=True)
+class _StreamRows:
+    """One compressor's rows for one chunk: state written, state read back to pool the
+    new entries (``None``: no entry completes), entries written and read."""
+
+    state_write: RowIndex
+    entries_read: RowIndex
+    state_read: RowIndex | None = None
+    entries_write: RowIndex | None = None
+
+
+@dataclass(slots=True)
 class _LayerRows:
     """One decoder layer's rows for one chunk."""
 
     window: RowIndex                   # raw tokens read; written from the chunk start
-    state_write: RowIndex | None = None
-    state_read: RowIndex | None = None  # rows pooled by the new entries (None: no entry)
-    entries_write: RowIndex | None = None
-    entries_read: RowIndex | None = None
+    kv: _StreamRows | None = None      # the compressed entries
+    index: _StreamRows | None = None   # the indexer's keys
 
 
 @dataclass(slots=True)
@@ -327,19 +356,26 @@ class CompressedRunner(EngineRunner):
             return pool.index(req_id=chunk.req_id, cache_layer=cache_layer,
                               table=tables[pool.group_of(cache_layer)], first=first, end=last)
 
+        def stream(layer_id: int, entries: CacheRole, state: CacheRole) -> _StreamRows:
+            rule = shape.rule(layer_id)
+            ratio = rule.compress_ratio
+            first = max(start // ratio, plan.full_attention_cached_tokens // ratio)
+            last = end // ratio
+            rows = _StreamRows(index(layer_id, state, start, end),
+                               index(layer_id, entries, 0, last))
+            if first < last:
+                rows.state_read = index(layer_id, state, rule.rows_of_entry(first)[0],
+                                        rule.rows_of_entry(last - 1)[1])
+                rows.entries_write = index(layer_id, entries, first, last)
+            return rows
+
         layers = []
         for layer_id, ratio in enumerate(shape.compress_ratios):
             rows = _LayerRows(index(layer_id, "window", raw_start, end))
             if ratio:
-                rule = shape.rule(layer_id)
-                first = max(start // ratio, plan.full_attention_cached_tokens // ratio)
-                last = end // ratio
-                rows.state_write = index(layer_id, "state", start, end)
-                if first < last:
-                    rows.state_read = index(layer_id, "state", rule.rows_of_entry(first)[0],
-                                            rule.rows_of_entry(last - 1)[1])
-                    rows.entries_write = index(layer_id, "entries", first, last)
-                rows.entries_read = index(layer_id, "entries", 0, last)
+                rows.kv = stream(layer_id, "entries", "state")
+            if shape.has_indexer(layer_id):
+                rows.index = stream(layer_id, "indexer", "indexer_state")
             layers.append(rows)
         return _CompressedWork(chunk, row, [], [], [], [], layers=layers)
 
@@ -388,38 +424,54 @@ class _PagedAttend:
                 scale=self.scale))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def compressed(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    def _compress(self, layer_id: int, work: _CompressedWork, rows: _StreamRows,
+                  kv: torch.Tensor, score: torch.Tensor, *, indexer: bool) -> torch.Tensor:
+        """Write the chunk's state rows, pool and write the entries it completes, return
+        every entry the chunk reads (``[E, heads, dim]``)."""
         model, pool, layout = self.model, self.runner.pool, self.runner.layout
         shape = model.shape
         rule = shape.rule(layer_id)
-        state_layer = layout.cache_layer(layer_id, "state")
-        entries_layer = layout.cache_layer(layer_id, "entries")
-        kv_heads, head_dim = shape.base.num_kv_heads, shape.base.head_dim
+        heads, dim = ((1, shape.index_head_dim) if indexer
+                      else (shape.base.num_kv_heads, shape.base.head_dim))
+        state_layer = layout.cache_layer(layer_id, "indexer_state" if indexer else "state")
+        entries_layer = layout.cache_layer(layer_id, "indexer" if indexer else "entries")
+        positions = torch.arange(work.start, work.start + work.num_tokens, device=kv.device)
+        ape = model.compressor(layer_id, indexer=indexer).ape
+        pool.write(state_layer, rows.state_write, state_rows(kv, score, ape, positions, rule))
+        if rows.state_read is not None and rows.entries_write is not None:
+            first = rows.entries_write.first
+            saved = pool.read(state_layer, rows.state_read).reshape(len(rows.state_read), 2, -1)
+            pooled = pool_entries(saved, rows.state_read.first, first,
+                                  first + len(rows.entries_write), rule, kv_heads=heads)
+            pool.write(entries_layer, rows.entries_write,
+                       model.entry_keys(layer_id, pooled, first, indexer=indexer))
+        return pool.read(entries_layer, rows.entries_read).reshape(
+            len(rows.entries_read), heads, dim)
+
+    def compressed(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   inputs: CompressedInputs) -> torch.Tensor:
+        model = self.model
+        rule = model.shape.rule(layer_id)
         outputs = []
         for work in self.works:
             rows = slice(work.row, work.row + work.num_tokens)
-            io = work.layers[layer_id]
-            assert io.state_write is not None and io.entries_read is not None
+            io, mine = work.layers[layer_id], inputs.rows(rows)
+            assert io.kv is not None
             keys, values = self._raw(layer_id, work, k, v)
-            positions = torch.arange(work.start, work.start + work.num_tokens,
-                                     device=q.device)
-            pool.write(state_layer, io.state_write, state_rows(
-                kv[rows], score[rows], model.compressor(layer_id).ape, positions, rule))
-            if io.state_read is not None and io.entries_write is not None:
-                first = io.entries_write.first
-                saved = pool.read(state_layer, io.state_read).reshape(len(io.state_read), 2, -1)
-                pooled = pool_entries(saved, io.state_read.first, first,
-                                      first + len(io.entries_write), rule, kv_heads=kv_heads)
-                pool.write(entries_layer, io.entries_write,
-                           model.entry_keys(layer_id, pooled, first))
-            entries = pool.read(entries_layer, io.entries_read).reshape(
-                len(io.entries_read), kv_heads, head_dim)
-            outputs.append(compressed_attention(
-                q[rows], keys, values, entries, q_start=work.start, kv_start=io.window.first,
-                rule=rule, scale=self.scale))
+            entries = self._compress(layer_id, work, io.kv, mine.kv, mine.score, indexer=False)
+            allowed = completed_entries(work.start, work.num_tokens, entries.shape[0], rule,
+                                        q.device)
+            if io.index is not None:
+                assert mine.index_kv is not None and mine.index_score is not None
+                index_keys = self._compress(layer_id, work, io.index, mine.index_kv,
+                                            mine.index_score, indexer=True)
+                positions = torch.arange(work.start, work.start + work.num_tokens,
+                                         device=q.device)
+                allowed = model.select_entries(layer_id, mine, index_keys, allowed, positions)
+            outputs.append(compressed_attention(q[rows], keys, values, entries, allowed,
+                                                q_start=work.start, rule=rule,
+                                                scale=self.scale))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-
 
 def compressed_runner_factory(model: CompressedDecoder, layout: CompressedCacheLayout,
                               ) -> Callable[[VerifySettings, RunOptions, bool, bool],
@@ -437,12 +489,13 @@ def compressed_runner_factory(model: CompressedDecoder, layout: CompressedCacheL
 
 
 def v4_verify_setup(base: ModelConfig, *, window_block_size: int, hca_ratio: int,
-                    compressed_block_size: int, attention: str, seed: int,
+                    compressed_block_size: int, index_topk: int, attention: str, seed: int,
                     ) -> tuple[CompressedDecoder, Callable[[VerifySettings, RunOptions, bool,
                                                             bool], EngineRunner],
                                int, tuple[str, ...]]:
-    """``hybridkv verify --pattern v4``: the V4-shaped model on ``base`` (``v4_ratios``),
-    its runner factory, the hit alignment (tokens) and a label per layer.
+    """``hybridkv verify --pattern v4``: the V4-shaped model on ``base`` (``v4_ratios``;
+    C4 layers indexed with ``base``'s heads and head_dim when ``index_topk > 0``), its
+    runner factory, the hit alignment (tokens) and a label per layer.
 
     Raises:
         ConfigError: ``attention`` is not the reference path, or a bad ratio / block size.
@@ -450,10 +503,13 @@ def v4_verify_setup(base: ModelConfig, *, window_block_size: int, hca_ratio: int
     if attention != "reference":
         raise ConfigError("attention", attention,
                           "--pattern v4 runs the reference attention path only")
-    shape = CompressedModelConfig(base, v4_ratios(base.num_layers, hca_ratio=hca_ratio))
+    shape = CompressedModelConfig(base, v4_ratios(base.num_layers, hca_ratio=hca_ratio),
+                                  index_heads=base.num_heads, index_head_dim=base.head_dim,
+                                  index_topk=index_topk)
     model = CompressedDecoder(shape, dtype=torch.float64, seed=seed)
     layout = CompressedCacheLayout(shape, window_block_size=window_block_size,
                                    compressed_block_size=compressed_block_size)
     alignment = layout.cache_config(num_blocks=2).alignment_tokens
-    labels = tuple(f"C{r}" if r else "window" for r in shape.compress_ratios)
+    labels = tuple((f"C{r}" + ("+indexer" if shape.has_indexer(i) else "")) if r else "window"
+                   for i, r in enumerate(shape.compress_ratios))
     return model, compressed_runner_factory(model, layout), alignment, labels

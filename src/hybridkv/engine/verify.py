@@ -302,6 +302,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                              "compressed layers (V4: 128)")
     parser.add_argument("--compressed-block-size", type=int, default=32,
                         help="--pattern v4: tokens per compressed-entries block (V4: 256)")
+    parser.add_argument("--index-topk", type=int, default=4,
+                        help="--pattern v4: entries a C4 layer's lightning indexer keeps per "
+                             "query (0: no indexer, read every completed entry)")
     parser.add_argument("--attention", choices=("reference", "sdpa"), default="reference",
                         help="attention path (reference: explicit masks)")
     parser.add_argument("--atol", type=float, default=DEFAULT_ATOL,
@@ -383,8 +386,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
             model, runner_factory, pattern_alignment, kinds = v4_verify_setup(
                 config, window_block_size=args.block_size, hca_ratio=args.hca_ratio,
-                compressed_block_size=args.compressed_block_size, attention=args.attention,
-                seed=args.seed)
+                compressed_block_size=args.compressed_block_size, index_topk=args.index_topk,
+                attention=args.attention, seed=args.seed)
         if args.trace is not None:
             workload = trace_requests
             source = (f"trace {args.trace}: first {len(workload)} requests, every "

@@ -165,6 +165,15 @@ class GroupManager(ABC):
         """Blocks before a bridge end whose KV is exact enough to hash (window tail)."""
         return 0
 
+    def bound_item_blocks(self, num_table_blocks: int, num_item_tokens: int) -> int:
+        """Of a running request's ``num_table_blocks`` held blocks, how many the offline
+        ``bound`` models as cache items (``hybridkv.sim.bound``): the chained full-attention
+        KV of its first ``num_item_tokens`` tokens, in whole alignment units. Every other
+        held block is charged against the bound's capacity, so a group kind whose held
+        state is not full-attention prompt KV keeps this default of 0."""
+        del num_table_blocks, num_item_tokens
+        return 0
+
     def cache_mask(self, start: int, end: int, boundaries: Sequence[int]) -> list[bool] | None:
         """Which blocks of ``[start, end)`` to hash (``None``: all)."""
         del start, end, boundaries

@@ -17,6 +17,21 @@ class FullAttentionManager(GroupManager):
 
     is_full_attention: ClassVar[bool] = True
 
+    def bound_item_blocks(self, num_table_blocks: int, num_item_tokens: int) -> int:
+        """The table's blocks inside the first ``num_item_tokens`` tokens' whole units.
+
+        >>> from hybridkv.config import CacheConfig
+        >>> from hybridkv.specs import FullAttentionSpec, SlidingWindowSpec
+        >>> config = CacheConfig.from_layers(
+        ...     [FullAttentionSpec(16, 1), SlidingWindowSpec(32, 1, 64)], num_blocks=8)
+        >>> from hybridkv.cache import KVCacheManager
+        >>> full = KVCacheManager(config).coordinator.managers[0]
+        >>> full.bound_item_blocks(7, 100)  # A 32: 3 units = 6 blocks; the 7th is partial
+        6
+        """
+        unit = self.alignment_tokens
+        return min(num_table_blocks, (num_item_tokens // unit) * (unit // self.block_size))
+
     @classmethod
     def find_longest_hit(cls, pool: BlockPool, group_ids: Sequence[GroupId], spec: LayerSpec,
                          hashes: Sequence[BlockHash], max_num_tokens: int, *,

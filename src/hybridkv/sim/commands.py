@@ -25,7 +25,7 @@ from hybridkv.sim.bound import offline_optimum
 from hybridkv.sim.ceiling import infinite_cache_ceiling
 from hybridkv.sim.loaders import load_trace
 from hybridkv.sim.model import ModelShape, load_model, num_blocks_for_memory, parse_size
-from hybridkv.sim.replay import ProgressFn, ReplaySettings, RunResult, replay
+from hybridkv.sim.replay import ProgressFn, ReplaySettings, RunResult, attach_bounds, replay
 from hybridkv.sim.report import PolicyRun, Report, plot_policies, plot_sweep, render_table
 from hybridkv.sim.trace import Trace
 from hybridkv.sim.workloads import WORKLOAD_DEFAULTS, make_workload, retention_microbench_scenarios
@@ -197,6 +197,7 @@ def run_policy(source: Source, config: CacheConfig, policy: str, settings: Repla
             task = progress.add_task(label, total=len(trace.requests))
             callback = _throttled(progress, task)
         result = replay(trace, config, policy, settings, callback)
+        attach_bounds(result, trace, config)
         if progress is not None:
             progress.remove_task(task)
         if source.is_multi_scenario:
@@ -225,7 +226,8 @@ class Limits:
 
 
 def source_limits(source: Source, config: CacheConfig) -> Limits:
-    return Limits(source_ceiling(source, config.alignment_tokens), source_bound(source, config))
+    """The ceiling; ``bound`` / ``bound_fa`` come with each run (its admission order)."""
+    return Limits(source_ceiling(source, config.alignment_tokens), None)
 
 
 def _run_in_worker(task: str) -> PolicyRun | Limits:
@@ -306,6 +308,10 @@ def _replay_phase_only(result: RunResult) -> RunResult:
     """Run-level numbers of a microbenchmark scenario = its replay phase."""
     phase = result.by_tag.get("replay")
     copy = RunResult(result.policy, result.num_blocks, preemptions=result.preemptions,
+                     misses=result.misses_by_tag.get("replay", result.misses),
+                     misses_by_tag=dict(result.misses_by_tag),
+                     bound_hit_tokens=result.bound_hit_tokens,
+                     bound_fa_hit_tokens=result.bound_fa_hit_tokens,
                      bridge_tokens=result.bridge_tokens,
                      steps=result.steps, evicted_blocks=result.evicted_blocks,
                      manager_seconds=result.manager_seconds, hash_seconds=result.hash_seconds,
@@ -372,7 +378,8 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
     report = Report(source.name, shape.name, limits.ceiling, runs, {
         "num_blocks": num_blocks, "max_running": settings.max_running,
         "chunk_size": settings.chunk_size, "hash_algo": args.hash_algo, "eagle": args.eagle,
-    }, limits.bound)
+    }, _max_rate([run.result.bound for run in runs]),
+        _max_rate([run.result.bound_fa for run in runs]))
     render_table(report, console)
     if args.json:
         report.write_json(args.json)
@@ -380,6 +387,12 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
         plot_policies(report, args.plot)
     del err_console
     return 0
+
+
+def _max_rate(rates: Sequence[float | None]) -> float | None:
+    """The report-level bound: the largest per-run one, so it bounds every run shown."""
+    known = [r for r in rates if r is not None]
+    return max(known) if known else None
 
 
 def _parse_list(text: str, field: str) -> list[str]:

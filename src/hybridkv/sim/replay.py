@@ -18,6 +18,8 @@ from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
 from hybridkv.hashing import BlockHasher
 from hybridkv.ids import BlockHash
+from hybridkv.sim.bound import AdmissionLog, BoundShape, fa_optimum, hybrid_optimum
+from hybridkv.sim.misses import MissCauses, ObservedManager
 from hybridkv.sim.scheduler import SchedRequest, Scheduler
 from hybridkv.sim.trace import (
     OUTPUT_TOKEN_BASE,
@@ -73,10 +75,31 @@ class RunResult:
     hash_seconds: float = 0.0
     wall_seconds: float = 0.0
     by_tag: dict[str, TagTotals] = field(default_factory=dict)
+    misses: MissCauses = field(default_factory=MissCauses)
+    """Missed prompt tokens (first admissions) by cause (``hybridkv.sim.misses``)."""
+    misses_by_tag: dict[str, MissCauses] = field(default_factory=dict)
+    log: AdmissionLog | None = None
+    """The admissions, for the offline bounds (dropped once they are computed)."""
+    bound_hit_tokens: int | None = None
+    """Hit tokens of ``bound`` for this run's admissions (``attach_bounds``)."""
+    bound_fa_hit_tokens: int | None = None
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def bound(self) -> float | None:
+        """``bound`` as a rate of this run's prompt tokens (``None`` when not computed)."""
+        if self.bound_hit_tokens is None:
+            return None
+        return self.bound_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def bound_fa(self) -> float | None:
+        if self.bound_fa_hit_tokens is None:
+            return None
+        return self.bound_fa_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def merge(self, other: RunResult) -> None:
         """Accumulate another run's counters (used for multi-scenario workloads)."""
@@ -85,6 +108,13 @@ class RunResult:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("manager_seconds", "hash_seconds", "wall_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.misses.add(other.misses)
+        for tag, causes in other.misses_by_tag.items():
+            self.misses_by_tag.setdefault(tag, MissCauses()).add(causes)
+        for name in ("bound_hit_tokens", "bound_fa_hit_tokens"):
+            mine_value, theirs = getattr(self, name), getattr(other, name)
+            if theirs is not None:
+                setattr(self, name, (mine_value or 0) + theirs)
         for tag, totals in other.by_tag.items():
             mine = self.by_tag.setdefault(tag, TagTotals())
             mine.requests += totals.requests
@@ -160,7 +190,8 @@ class _PromptHasher:
     def for_request(self, request: TraceRequest,
                     ) -> Callable[[Sequence[int]], list[BlockHash] | None] | None:
         if request.token_ids is not None or request.token_id_ranges or \
-                not request.trace_block_size or request.trace_block_size % self._hasher.block_size:
+                not request.trace_block_size or request.trace_block_size % self._hasher.block_size \
+                or self._hasher.lookahead_tokens:  # EAGLE lookahead: the manager hashes
             return None
 
         def hash_prompt(tokens: Sequence[int]) -> list[BlockHash] | None:
@@ -260,7 +291,10 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
     """Replay ``trace`` under ``policy`` and return its counters."""
     started = time.perf_counter()
     settings = settings or ReplaySettings()
-    manager = KVCacheManager(config, policy)
+    manager = ObservedManager(
+        config, policy, {r.request_id: i for i, r in enumerate(trace.requests)},
+        {r.request_id: r.input_length + len(r.output_token_ids or ()) for r in trace.requests},
+        {r.request_id: r.tag or "all" for r in trace.requests})
     scheduler = Scheduler(manager, max_running=settings.max_running,
                           chunk_size=settings.chunk_size,
                           reserve_full_prompt=settings.reserve_full_prompt,
@@ -299,7 +333,21 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
             progress(num_finished, num_requests)
     result = _collect(policy, config, manager, scheduler, sched_requests, started)
     result.hash_seconds += prompt_hasher.seconds
+    result.misses = manager.misses
+    result.misses_by_tag = manager.misses_by_tag
+    result.log = manager.log
     return result
+
+
+def attach_bounds(result: RunResult, trace: Trace, config: CacheConfig) -> None:
+    """Compute ``bound`` and ``bound_fa`` for the admissions ``result`` logged (its
+    ``bound_hit_tokens`` / ``bound_fa_hit_tokens``; ``None`` without full attention), then
+    drop the log. Costs about two full-attention Belady passes over the trace."""
+    shape = BoundShape.of(config)
+    if shape is not None and result.log is not None:
+        result.bound_hit_tokens = hybrid_optimum(trace, result.log, shape).hit_tokens
+        result.bound_fa_hit_tokens = fa_optimum(trace, result.log, shape).hit_tokens
+    result.log = None
 
 
 def _collect(policy: str, config: CacheConfig, manager: KVCacheManager, scheduler: Scheduler,

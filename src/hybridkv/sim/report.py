@@ -10,7 +10,24 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.replay import RunResult, TagTotals
+
+REPORT_HELP = """\
+Columns: hit rate = prompt tokens served from the cache at first admission.
+bound = hybrid-aware offline optimum: Belady MIN over full-attention hit units with, at each
+admission, the capacity left after the blocks then held that are not full-attention prompt
+KV (running requests' window / chunked / other state, the admitted request's window tail
+at its hit point, decode and partial blocks). bound_fa = the same over full-attention
+blocks only with the whole pool (the peer simulators' "optimal"); bound <= bound_fa.
+Both are upper bounds for the admission order the run used (each run's own: the order
+changes the access sequence, so a cache-aware admission order can beat them); the report
+line shows the largest per-run value. ceiling = infinite cache.
+Miss causes (share of missed prompt tokens, each counted once, adding to 100%):
+cold = never seen before; evicted = its full-attention chain was cached and evicted;
+tail = full-attention KV resident but a window tail / state checkpoint was not;
+align = seen, but below the alignment unit (or the always-computed last token);
+admit = never cached (not cached by the policy, or still being computed)."""
 
 
 @dataclass(slots=True)
@@ -29,8 +46,10 @@ class Report:
     runs: list[PolicyRun]
     settings: dict[str, object] = field(default_factory=dict)
     bound: float | None = None
-    """Offline optimum at this pool's token capacity (``hybridkv.sim.bound``); ``None``
-    for models without a full-attention group."""
+    """Largest per-run hybrid-aware offline bound (``hybridkv.sim.bound``); ``None`` for
+    models without a full-attention group."""
+    bound_fa: float | None = None
+    """Largest per-run full-attention-only bound."""
 
     def to_json(self) -> dict[str, object]:
         """The ``--json`` document: ``trace``, ``model``, ``ceiling``, ``runs``."""
@@ -48,7 +67,8 @@ class Report:
                 }
             runs.append(item)
         return {"trace": self.trace, "model": self.model, "ceiling": self.ceiling,
-                "bound": self.bound, "settings": self.settings, "runs": runs}
+                "bound": self.bound, "bound_fa": self.bound_fa, "settings": self.settings,
+                "runs": runs}
 
     def write_json(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
@@ -75,28 +95,46 @@ def _run_json(result: RunResult) -> dict[str, object]:
         "manager_seconds": round(result.manager_seconds, 4),
         "hash_seconds": round(result.hash_seconds, 4),
         "wall_seconds": round(result.wall_seconds, 4),
+        "bound": result.bound,
+        "bound_fa": result.bound_fa,
+        "bound_hit_tokens": result.bound_hit_tokens,
+        "bound_fa_hit_tokens": result.bound_fa_hit_tokens,
+        "miss_tokens": result.misses.as_dict(),
+        "miss_shares": {k: round(v, 6) for k, v in result.misses.shares().items()},
     }
 
 
+def _rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.2f}%"
+
+
+_CAUSE_LABELS = {"cold": "cold", "evicted": "evicted", "tail": "tail", "alignment": "align",
+                 "admission": "admit"}
+
+
 def render_table(report: Report, console: Console) -> None:
-    """Print the policy comparison table (best hit rate marked)."""
+    """Print the policy comparison table (best hit rate marked), with the miss causes."""
     table = Table(title=f"{report.trace} on {report.model}", title_justify="left")
-    for name in ("policy", "hit rate", "bound", "ceiling", "hit tokens", "prompt tokens",
+    for name in ("policy", "hit rate", "bound", "bound_fa", "ceiling",
+                 *(_CAUSE_LABELS[c] for c in MISS_CAUSES), "hit tokens", "prompt tokens",
                  "preemptions", "manager s", "wall s"):
-        table.add_column(name, justify="left" if name == "policy" else "right")
+        table.add_column(name, justify="left" if name == "policy" else "right",
+                         no_wrap=name == "policy")
     best = max((r.result.hit_rate for r in report.runs), default=0.0)
     for run in report.runs:
         r = run.result
         mark = " *" if report.runs and r.hit_rate == best and len(report.runs) > 1 else ""
-        bound = "n/a" if report.bound is None else f"{100 * report.bound:.2f}%"
-        table.add_row(f"{r.policy}{mark}", f"{100 * r.hit_rate:.2f}%", bound,
-                      f"{100 * report.ceiling:.2f}%", f"{r.hit_tokens:,}",
-                      f"{r.prompt_tokens:,}", str(r.preemptions),
+        shares = r.misses.shares()
+        table.add_row(f"{r.policy}{mark}", f"{100 * r.hit_rate:.2f}%", _rate(r.bound),
+                      _rate(r.bound_fa), f"{100 * report.ceiling:.2f}%",
+                      *(f"{100 * shares[c]:.1f}%" for c in MISS_CAUSES),
+                      f"{r.hit_tokens:,}", f"{r.prompt_tokens:,}", str(r.preemptions),
                       f"{r.manager_seconds:.2f}", f"{r.wall_seconds:.2f}")
     console.print(table)
-    console.print("bound: offline optimum (Belady MIN over chained full-attention blocks at "
-                  "this pool's token capacity; ignores window KV and running requests) — "
-                  "ceiling: infinite cache. * = best policy.", style="dim")
+    console.print(f"bound {_rate(report.bound)} (hybrid-aware), bound_fa "
+                  f"{_rate(report.bound_fa)} (full-attention blocks only): offline optima "
+                  "for each run's admission order; cold … admit: shares of the missed "
+                  "tokens (hybridkv replay --help). * = best policy.", style="dim")
     if any(run.fractions for run in report.runs):
         _render_fractions(report, console)
 
@@ -122,7 +160,7 @@ def plot_policies(report: Report, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, causes_ax) = plt.subplots(1, 2, figsize=(14, 4.5))
     if any(run.fractions for run in report.runs):
         for run in report.runs:
             xs = [float(f) for f in run.fractions]
@@ -135,13 +173,40 @@ def plot_policies(report: Report, path: Path) -> None:
         values = [100 * run.result.hit_rate for run in report.runs]
         ax.bar(names, values, color="tab:blue")
         ax.axhline(100 * report.ceiling, color="tab:red", linestyle="--", label="ceiling")
+        for value, label, style in ((report.bound, "bound", ":"),
+                                    (report.bound_fa, "bound_fa", "-.")):
+            if value is not None:
+                ax.axhline(100 * value, color="tab:green", linestyle=style, label=label)
         ax.legend(fontsize=8)
         ax.tick_params(axis="x", rotation=30)
     ax.set_ylabel("prefix-cache hit rate (%)")
     ax.set_title(f"{report.trace} on {report.model}")
+    plot_miss_causes(causes_ax, report.runs)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_miss_causes(ax: object, runs: Sequence[PolicyRun]) -> None:
+    """Stacked bars per policy: hit tokens, then each miss cause, as shares of the prompt
+    tokens (each bar adds up to 100%)."""
+    names = [run.result.policy for run in runs]
+    bottoms = [0.0] * len(runs)
+    colors = {"hit": "tab:blue", "cold": "tab:gray", "evicted": "tab:red",
+              "tail": "tab:orange", "alignment": "tab:purple", "admission": "tab:brown"}
+    for part in ("hit", *MISS_CAUSES):
+        heights = []
+        for run in runs:
+            r = run.result
+            tokens = r.hit_tokens if part == "hit" else getattr(r.misses, part)
+            heights.append(100 * tokens / r.prompt_tokens if r.prompt_tokens else 0.0)
+        ax.bar(names, heights, bottom=bottoms, color=colors[part],  # type: ignore[attr-defined]
+               label=part)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    ax.set_ylabel("share of prompt tokens (%)")  # type: ignore[attr-defined]
+    ax.set_title("hits and miss causes")  # type: ignore[attr-defined]
+    ax.tick_params(axis="x", rotation=30)  # type: ignore[attr-defined]
+    ax.legend(fontsize=8)  # type: ignore[attr-defined]
 
 
 def plot_sweep(rows: Sequence[Mapping[str, object]], ceiling: float, title: str,

@@ -1,0 +1,229 @@
+"""Miss causes: why each missed prompt token of a replay missed, counted once.
+
+At its first admission a request of ``n`` prompt tokens hits ``h``; the ``n - h`` missed
+tokens split into (``M`` = tokens of the prompt's longest prefix admitted before, at the
+hash-block granularity; ``R = min(floor(M / A) * A, floor((n - 1) / A) * A)`` = what an
+infinite cache could hit; ``F`` = the full-attention groups' own resident prefix at the
+lookup, floored to ``A`` and capped at ``R``):
+
+========== ======================== ===================================================
+cause      tokens                   meaning
+========== ======================== ===================================================
+cold       ``n - M``                never seen before (no earlier prompt shares them)
+alignment  ``M - R``                seen, but below the alignment unit ``A`` (or the last
+                                    prompt token, which is always computed)
+tail       ``F - h``                full-attention KV resident, but a non-full group's
+                                    state (window tail, checkpoint) for a longer hit is not
+evicted    ``R - F`` when the block full-attention KV was cached before and evicted
+           ending the chain was
+           cached once
+admission  ``R - F`` otherwise      never cached: the policy did not cache it (caching
+                                    off), or no request had computed it yet
+========== ======================== ===================================================
+
+Worked example (``A`` 32, hash blocks of 8, ``n`` 100, ``M`` 72, ``R`` 64, ``F`` 32,
+``h`` 0, the block at 32 was evicted): cold 28, alignment 8, tail 32, evicted 32.
+
+>>> split_miss(100, 0, 72, 32, 32, was_cached=True)
+MissCauses(cold=28, evicted=32, tail=32, alignment=8, admission=0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from hybridkv.cache import Allocation, KVCacheManager, PrefixHit
+from hybridkv.config import CacheConfig
+from hybridkv.ids import BlockHash, ReqId
+from hybridkv.sim.bound import AdmissionLog
+
+MISS_CAUSES = ("cold", "evicted", "tail", "alignment", "admission")
+
+
+@dataclass(slots=True)
+class MissCauses:
+    """Missed prompt tokens by cause (first admissions); they sum to prompt − hit tokens."""
+
+    cold: int = 0
+    evicted: int = 0
+    tail: int = 0
+    alignment: int = 0
+    admission: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.cold + self.evicted + self.tail + self.alignment + self.admission
+
+    def add(self, other: MissCauses) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def shares(self) -> dict[str, float]:
+        """Each cause's share of the missed tokens (all 0 when nothing missed).
+
+        >>> MissCauses(cold=3, tail=1).shares()["cold"]
+        0.75
+        """
+        total = self.total
+        return {name: (getattr(self, name) / total if total else 0.0) for name in MISS_CAUSES}
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MISS_CAUSES}
+
+
+def split_miss(num_tokens: int, hit_tokens: int, seen_tokens: int, alignment_tokens: int,
+               resident_tokens: int, *, was_cached: bool) -> MissCauses:
+    """Split one request's ``num_tokens - hit_tokens`` missed tokens (see the module doc).
+
+    ``seen_tokens`` = ``M``; ``resident_tokens`` = the full-attention answer; ``was_cached``:
+    the full-attention block where that answer ends had been cached before.
+
+    >>> split_miss(50, 32, 48, 32, 32, was_cached=False)  # resend: R = 32, 2 + 16 missed
+    MissCauses(cold=2, evicted=0, tail=0, alignment=16, admission=0)
+    """
+    a = alignment_tokens
+    seen = min(num_tokens, max(seen_tokens, hit_tokens))
+    reachable = max(hit_tokens, min((seen // a) * a, ((num_tokens - 1) // a) * a))
+    resident = max(hit_tokens, min(resident_tokens, reachable))
+    lost = reachable - resident
+    return MissCauses(cold=num_tokens - seen, alignment=seen - reachable,
+                      tail=resident - hit_tokens,
+                      evicted=lost if was_cached else 0, admission=0 if was_cached else lost)
+
+
+_ADMITTED = 1
+_COMPUTED = 2
+
+
+class ObservedManager(KVCacheManager):
+    """The replay's cache manager: a ``KVCacheManager`` that also records, per admission,
+    what the offline bound needs (``log``: order, first or not, held non-item blocks) and,
+    per first admission, the miss causes (``misses_by_tag``).
+
+    ``item_tokens`` gives each request's tokens the bound models as cache items (its
+    prompt, plus predetermined outputs); ``trace_index`` its position in the trace.
+    Memory: one entry per distinct hash-block hash admitted (WEKA, gemma3-bench: ~2 M).
+    """
+
+    def __init__(self, config: CacheConfig, retention: str,
+                 trace_index: Mapping[ReqId, int], item_tokens: Mapping[ReqId, int],
+                 tags: Mapping[ReqId, str] | None = None) -> None:
+        super().__init__(config, retention)
+        self.log = AdmissionLog()
+        self.misses_by_tag: dict[str, MissCauses] = {}
+        """Per request tag (``"all"`` for untagged requests)."""
+        self._tags = tags or {}
+        self._trace_index = trace_index
+        self._item_tokens = item_tokens
+        self._seen: dict[BlockHash, int] = {}
+        """Hash-block hash → _ADMITTED (some admitted prompt holds it) or _COMPUTED (a
+        request that held it has been released: it was computed and cached)."""
+        self._admitted: set[ReqId] = set()
+        self._lookup: dict[ReqId, tuple[int, int]] = {}
+        """Per request, (hit, full-attention answer) of its latest lookup."""
+        self._full_managers = [m for m in self.coordinator.managers if m.is_full_attention]
+        self._chain_block_size = self._full_managers[0].block_size if self._full_managers \
+            else 0
+
+    @property
+    def misses(self) -> MissCauses:
+        """Miss causes over every request."""
+        total = MissCauses()
+        for causes in self.misses_by_tag.values():
+            total.add(causes)
+        return total
+
+    def find_longest_hit(self, req_id: ReqId, max_num_tokens: int | None = None) -> PrefixHit:
+        hit = super().find_longest_hit(req_id, max_num_tokens)
+        num_tokens = self.num_tokens(req_id)
+        ran = self.config.enable_caching and min(
+            num_tokens - 1, num_tokens if max_num_tokens is None else max_num_tokens) > 0
+        resident = hit.num_tokens
+        if ran and self._full_managers:
+            resident = max(resident, self.coordinator._last_full_attention[0],
+                           hit.full_attention_tokens)
+        self._lookup[req_id] = (hit.num_tokens, resident)
+        return hit
+
+    def allocate_slots(self, req_id: ReqId, num_new_tokens: int, hit: PrefixHit | None = None,
+                       *, num_lookahead_tokens: int = 0, reserve_full_prompt: bool = False,
+                       ) -> Allocation | None:
+        admitting = not self.is_running(req_id)
+        allocation = super().allocate_slots(req_id, num_new_tokens, hit,
+                                            num_lookahead_tokens=num_lookahead_tokens,
+                                            reserve_full_prompt=reserve_full_prompt)
+        if allocation is None or not admitting:
+            return allocation
+        is_first = req_id not in self._admitted
+        if is_first:
+            self._admitted.add(req_id)
+            self._classify(req_id, allocation.num_hit_tokens)
+        self.log.append(self._trace_index[req_id], is_first, self._held_non_items())
+        return allocation
+
+    def free(self, req_id: ReqId) -> None:
+        self._mark_computed(req_id)
+        super().free(req_id)
+
+    def remove_request(self, req_id: ReqId) -> None:
+        if self.is_running(req_id):
+            self._mark_computed(req_id)
+        self._lookup.pop(req_id, None)
+        super().remove_request(req_id)
+
+    # ----------------------------------------------------------------- helpers
+    def _hashes(self, req_id: ReqId) -> Sequence[BlockHash]:
+        return self._requests[req_id].block_hashes
+
+    def _classify(self, req_id: ReqId, hit_tokens: int) -> None:
+        state = self._requests[req_id]
+        hashes: Sequence[BlockHash] = state.block_hashes
+        if not self.config.enable_caching:  # nothing is hashed: hash for the breakdown only
+            hashes = self.hasher.hash_blocks(list(state.token_ids[: state.num_prompt_tokens]))
+        seen = self._seen
+        hb = self.hasher.block_size
+        num_seen = 0
+        for block_hash in hashes:
+            if block_hash not in seen:
+                break
+            num_seen += 1
+        looked_hit, resident = self._lookup.pop(req_id, (hit_tokens, hit_tokens))
+        if looked_hit != hit_tokens:  # the hit came from elsewhere: no full-attention answer
+            resident = hit_tokens
+        was_cached = False
+        a = self.coordinator.alignment_tokens
+        reachable = min((num_seen * hb // a) * a, ((state.num_prompt_tokens - 1) // a) * a)
+        if self.config.enable_caching and resident < reachable and self._chain_block_size:
+            end = resident + self._chain_block_size  # the first full-attention block missing
+            was_cached = seen.get(hashes[end // hb - 1]) == _COMPUTED
+        tag = self._tags.get(req_id) or "all"
+        self.misses_by_tag.setdefault(tag, MissCauses()).add(split_miss(
+            state.num_prompt_tokens, hit_tokens, num_seen * hb, a, resident,
+            was_cached=was_cached))
+        for block_hash in hashes:
+            seen.setdefault(block_hash, _ADMITTED)
+
+    def _mark_computed(self, req_id: ReqId) -> None:
+        """The request's cached full-attention blocks: its computed ones (to the last
+        aligned boundary when the retention policy clamps there)."""
+        state = self._requests[req_id]
+        if not state.is_running or not self.config.enable_caching:
+            return
+        num_cached = state.num_computed_tokens
+        if self.retention.clamps_to_alignment:
+            a = self.coordinator.alignment_tokens
+            num_cached = (num_cached // a) * a
+        seen = self._seen
+        for block_hash in state.block_hashes[: num_cached // self.hasher.block_size]:
+            seen[block_hash] = _COMPUTED
+
+    def _held_non_items(self) -> int:
+        """Blocks held now that are not full-attention item KV of their request (an upper
+        estimate of the items: blocks shared by two running requests count twice)."""
+        held = self.pool.num_blocks - 1 - self.pool.num_free_blocks
+        items = 0
+        for manager in self._full_managers:
+            for req_id, table in manager.tables.items():
+                items += manager.bound_item_blocks(len(table), self._item_tokens[req_id])
+        return max(0, held - items)
