@@ -458,6 +458,38 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     @property
+    def lookup_version(self) -> tuple[int, int]:
+        """(pool epoch, hashes ever indexed). Equal epochs ⇒ an earlier ``PrefixHit`` is
+        still valid and no hash left the index (only allocations evict); equal second
+        parts ⇒ no new hash entered it (caching), so no hit grew. Both equal ⇒
+        ``find_longest_hit`` answers every request as before. A scheduler probing many
+        waiting requests keeps their answers while it holds (``sim/admission.py``)."""
+        pool = self.pool
+        indexed = sum(len(pool.group_index(g.group_id)) for g in self.config.groups)
+        return pool.epoch, indexed + sum(pool.num_evicted_blocks)
+
+    def may_extend(self, req_id: ReqId, num_tokens: int) -> bool:
+        """False ⇒ no hit longer than ``num_tokens`` exists for the request now: some
+        full-attention group lacks the block at ``num_tokens`` (full attention bounds every
+        hybrid hit). True when each has it, or when the model has no full attention.
+        Does not modify; a few dictionary probes (``sim/admission.py`` uses it to decide
+        which waiting requests to look up again after new blocks were cached)."""
+        state = self._state(req_id, "may_extend")
+        hashes = state.block_hashes
+        hb = self.hasher.block_size
+        pool = self.pool
+        checked = False
+        for manager in self.coordinator.managers:
+            if not manager.is_full_attention:
+                continue
+            checked = True
+            position = (num_tokens // manager.block_size + 1) * manager.block_size // hb - 1
+            if position >= len(hashes) or hashes[position] not in pool.group_index(
+                    manager.group_id):
+                return False
+        return checked or self.config.enable_caching
+
+    @property
     def usage(self) -> float:
         return self.pool.usage
 

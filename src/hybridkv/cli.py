@@ -15,6 +15,7 @@ from rich.console import Console
 
 from hybridkv.errors import ConfigError, HybridKVError
 from hybridkv.policies import CORE_POLICIES
+from hybridkv.sim.admission import ORDERS
 from hybridkv.sim.commands import (
     DEFAULT_MODEL,
     DEFAULT_WORKLOAD,
@@ -41,6 +42,9 @@ def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget per step (default 8192)")
     parser.add_argument("--hash-algo", choices=("sha256", "xxhash"), default="sha256")
     parser.add_argument("--eagle", action="store_true", help="EAGLE/MTP (lookahead block hashes)")
+    parser.add_argument("--admission", default="fcfs",
+                        help="admission order(s), comma-separated or 'all': "
+                        f"{', '.join(ORDERS)} (default fcfs: the protocol)")
 
 
 def _add_pool_arguments(parser: argparse.ArgumentParser, *, many: bool) -> None:

@@ -154,6 +154,8 @@ class RunOptions:
     max_running: int = 16
     record_logits: bool = True
     poison: bool = False
+    admission: str = "fcfs"
+    """Admission order of the shared scheduler (``hybridkv.sim.admission.ORDERS``)."""
 
 
 class EngineRunner:
@@ -229,7 +231,8 @@ class EngineRunner:
         """Run ``requests`` (copied; the originals are not mutated) to completion."""
         opts = self.options
         manager = KVCacheManager(self.cache_config, opts.policy)
-        scheduler = Scheduler(manager, max_running=opts.max_running, chunk_size=opts.chunk_size)
+        scheduler = Scheduler(manager, max_running=opts.max_running, chunk_size=opts.chunk_size,
+                              admission=opts.admission)
         self.manager, self.scheduler = manager, scheduler
         records: dict[str, RequestRecord] = {}
         for request in requests:

@@ -12,7 +12,7 @@ import multiprocessing
 import statistics
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -21,6 +21,7 @@ from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
 from hybridkv.eviction import parse_eviction
 from hybridkv.policies import CORE_POLICIES, make_retention_policy, split_policy_name
+from hybridkv.sim.admission import parse_admissions
 from hybridkv.sim.bound import offline_optimum
 from hybridkv.sim.ceiling import infinite_cache_ceiling
 from hybridkv.sim.loaders import load_trace
@@ -192,6 +193,8 @@ def run_policy(source: Source, config: CacheConfig, policy: str, settings: Repla
     total: RunResult | None = None
     for key, trace in source.scenarios.items():
         label = f"{policy} f={key}" if key else policy
+        if settings.admission != "fcfs":
+            label += f" [{settings.admission}]"
         callback: ProgressFn | None = None
         if progress is not None:
             task = progress.add_task(label, total=len(trace.requests))
@@ -213,8 +216,11 @@ def run_policy(source: Source, config: CacheConfig, policy: str, settings: Repla
 _WORK: tuple[Source, CacheConfig, ReplaySettings] | None = None
 """What forked workers replay (inherited through fork, never pickled)."""
 
-_LIMITS = ""
-"""Worker task name of the ceiling + bound computation (no policy has an empty name)."""
+_LIMITS = ("", "")
+"""Worker task of the ceiling + bound computation (no policy has an empty name)."""
+
+Task = tuple[str, str]
+"""(policy, admission order) of one replay."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,25 +236,26 @@ def source_limits(source: Source, config: CacheConfig) -> Limits:
     return Limits(source_ceiling(source, config.alignment_tokens), None)
 
 
-def _run_in_worker(task: str) -> PolicyRun | Limits:
+def _run_in_worker(task: Task) -> PolicyRun | Limits:
     assert _WORK is not None
     source, config, settings = _WORK
     if task == _LIMITS:
         return source_limits(source, config)
-    return run_policy(source, config, task, settings, None)
+    return run_policy(source, config, task[0], replace(settings, admission=task[1]), None)
 
 
-def _dispatch_order(tasks: Sequence[str]) -> list[int]:
+def _dispatch_order(tasks: Sequence[Task]) -> list[int]:
     """Task indices, expected-longest first (a greedy longest-first schedule shortens the
     run on few processes): sparse retentions (``RetentionPolicy.is_sparse``) after the
     others, the limits last.
 
-    >>> _dispatch_order(["latest", "interval:32768", "dense", ""])
+    >>> _dispatch_order([("latest", "fcfs"), ("interval:32768", "hit"), ("dense", "fcfs"),
+    ...                  ("", "")])
     [2, 0, 1, 3]
     """
     def rank(index: int) -> int:
-        name = tasks[index]
-        if name == _LIMITS:
+        name = tasks[index][0]
+        if tasks[index] == _LIMITS:
             return 2
         return 1 if make_retention_policy(split_policy_name(name)[0]).is_sparse else 0
     return sorted(range(len(tasks)), key=rank)
@@ -256,23 +263,27 @@ def _dispatch_order(tasks: Sequence[str]) -> list[int]:
 
 def run_policies(source: Source, config: CacheConfig, policies: Sequence[str],
                  settings: ReplaySettings, *, jobs: int = 1,
-                 show_progress: bool = True) -> tuple[Limits, list[PolicyRun]]:
-    """Compute the limits and replay every policy, in ``jobs`` forked processes when > 1
-    (the limits then run as one more task, last, beside the replays; results in order)."""
+                 show_progress: bool = True,
+                 admissions: Sequence[str] | None = None) -> tuple[Limits, list[PolicyRun]]:
+    """Compute the limits and replay every policy under every admission order (default:
+    ``settings.admission``; order-major), in ``jobs`` forked processes when > 1 (the limits
+    then run as one more task, last, beside the replays; results in order)."""
     if jobs < 1:
         raise ConfigError("--jobs", jobs, "must be a positive number of processes")
-    if jobs == 1 or len(policies) == 1:
+    all_tasks = [(p, a) for a in (admissions or (settings.admission,)) for p in policies]
+    if jobs == 1 or len(all_tasks) == 1:
         limits = source_limits(source, config)
         with _progress(show_progress) as progress:
-            return limits, [run_policy(source, config, p, settings, progress) for p in policies]
+            return limits, [run_policy(source, config, p, replace(settings, admission=a),
+                                       progress) for p, a in all_tasks]
     global _WORK  # noqa: PLW0603 - handed to forked workers without pickling the trace
     _WORK = (source, config, settings)
     try:
         context = multiprocessing.get_context("fork")
         with _progress(show_progress) as progress, context.Pool(jobs) as pool:
             task = None if progress is None else progress.add_task(
-                f"{len(policies)} policies on {jobs} processes", total=len(policies) + 1)
-            tasks = [*policies, _LIMITS]
+                f"{len(all_tasks)} replays on {jobs} processes", total=len(all_tasks) + 1)
+            tasks = [*all_tasks, _LIMITS]
             results: dict[int, PolicyRun | Limits] = {}
             order = _dispatch_order(tasks)
             for position, result in zip(order, pool.imap(_run_in_worker,
@@ -281,9 +292,9 @@ def run_policies(source: Source, config: CacheConfig, policies: Sequence[str],
                 results[position] = result
                 if progress is not None and task is not None:
                     progress.advance(task)
-        computed = results.pop(len(policies))
+        computed = results.pop(len(all_tasks))
         assert isinstance(computed, Limits)
-        runs = [results[i] for i in range(len(policies))]
+        runs = [results[i] for i in range(len(all_tasks))]
         return computed, [run for run in runs if isinstance(run, PolicyRun)]
     finally:
         _WORK = None
@@ -315,7 +326,9 @@ def _replay_phase_only(result: RunResult) -> RunResult:
                      bridge_tokens=result.bridge_tokens,
                      steps=result.steps, evicted_blocks=result.evicted_blocks,
                      manager_seconds=result.manager_seconds, hash_seconds=result.hash_seconds,
-                     wall_seconds=result.wall_seconds, by_tag=dict(result.by_tag))
+                     wall_seconds=result.wall_seconds, by_tag=dict(result.by_tag),
+                     admission=result.admission, scheduler_seconds=result.scheduler_seconds,
+                     wait_steps=result.wait_steps)
     if phase is not None:
         copy.requests, copy.prompt_tokens, copy.hit_tokens = (
             phase.requests, phase.prompt_tokens, phase.hit_tokens)
@@ -323,7 +336,7 @@ def _replay_phase_only(result: RunResult) -> RunResult:
 
 
 def _merged(a: RunResult, b: RunResult) -> RunResult:
-    merged = RunResult(a.policy, a.num_blocks)
+    merged = RunResult(a.policy, a.num_blocks, admission=a.admission)
     merged.merge(a)
     merged.merge(b)
     return merged
@@ -370,11 +383,12 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
     num_blocks = resolve_pool(args.num_blocks, args.kv_memory, shape, source)
     config = make_config(shape, num_blocks, args, settings)
     policies = parse_policies(args.policy, _has_sessions(source))
+    admissions = parse_admissions(args.admission)
     for policy in policies:
         make_retention_policy(split_policy_name(policy)[0]).validate(
             config.alignment_tokens, True)
     limits, runs = run_policies(source, config, policies, settings, jobs=args.jobs,
-                                show_progress=not args.quiet)
+                                show_progress=not args.quiet, admissions=admissions)
     report = Report(source.name, shape.name, limits.ceiling, runs, {
         "num_blocks": num_blocks, "max_running": settings.max_running,
         "chunk_size": settings.chunk_size, "hash_algo": args.hash_algo, "eagle": args.eagle,
@@ -419,19 +433,28 @@ def cmd_sweep(args: argparse.Namespace, console: Console, err_console: Console) 
     else:
         raise ConfigError("--num-blocks", None, "a sweep needs --num-blocks or --kv-memory lists")
     policies = parse_policies(args.policy, _has_sessions(source))
+    admissions = parse_admissions(args.admission)
     rows: list[dict[str, object]] = []
     ceiling = 0.0
     with _progress(not args.quiet) as progress:
         for num_blocks in pools:
             config = make_config(shape, num_blocks, args, settings)
             ceiling = source_ceiling(source, config.alignment_tokens)
-            for policy in policies:
-                result = run_policy(source, config, policy, settings, progress).result
-                rows.append({"policy": policy, "num_blocks": num_blocks,
-                             "hit_rate": round(result.hit_rate, 6),
-                             "hit_tokens": result.hit_tokens,
-                             "prompt_tokens": result.prompt_tokens,
-                             "preemptions": result.preemptions, "ceiling": round(ceiling, 6)})
+            for admission in admissions:
+                for policy in policies:
+                    result = run_policy(source, config, policy,
+                                        replace(settings, admission=admission),
+                                        progress).result
+                    rows.append({"policy": policy, "num_blocks": num_blocks,
+                                 "hit_rate": round(result.hit_rate, 6),
+                                 "hit_tokens": result.hit_tokens,
+                                 "prompt_tokens": result.prompt_tokens,
+                                 "preemptions": result.preemptions,
+                                 "admission": admission,
+                                 "wait_p50_steps": result.wait_p50_steps,
+                                 "wait_p99_steps": result.wait_p99_steps,
+                                 "wait_max_steps": result.wait_max_steps,
+                                 "ceiling": round(ceiling, 6)})
     with args.csv.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -42,6 +42,8 @@ class ReplaySettings:
     reserve_full_prompt: bool = True
     lookahead_requests: int = 256
     check_invariants: bool = False
+    admission: str = "fcfs"
+    """Admission order (``sim.admission.ORDERS``); ``fcfs`` is the protocol."""
 
 
 @dataclass(slots=True)
@@ -75,6 +77,24 @@ class RunResult:
     hash_seconds: float = 0.0
     wall_seconds: float = 0.0
     by_tag: dict[str, TagTotals] = field(default_factory=dict)
+    admission: str = "fcfs"
+    scheduler_seconds: float = 0.0
+    """Wall time inside the scheduler's ``schedule``/``update`` (manager calls included,
+    prompt hashing excluded): the "manager + scheduler" cost of an admission order."""
+    wait_steps: list[int] = field(default_factory=list)
+    """Per request, steps from eligibility to first admission (trace order)."""
+
+    @property
+    def wait_p50_steps(self) -> float:
+        return percentile(self.wait_steps, 50)
+
+    @property
+    def wait_p99_steps(self) -> float:
+        return percentile(self.wait_steps, 99)
+
+    @property
+    def wait_max_steps(self) -> int:
+        return max(self.wait_steps, default=0)
     misses: MissCauses = field(default_factory=MissCauses)
     """Missed prompt tokens (first admissions) by cause (``hybridkv.sim.misses``)."""
     misses_by_tag: dict[str, MissCauses] = field(default_factory=dict)
@@ -106,8 +126,9 @@ class RunResult:
         for name in ("requests", "prompt_tokens", "hit_tokens", "preemptions",
                      "preempted_hit_tokens", "bridge_tokens", "steps", "evicted_blocks"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("manager_seconds", "hash_seconds", "wall_seconds"):
+        for name in ("manager_seconds", "hash_seconds", "wall_seconds", "scheduler_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.wait_steps = self.wait_steps + other.wait_steps
         self.misses.add(other.misses)
         for tag, causes in other.misses_by_tag.items():
             self.misses_by_tag.setdefault(tag, MissCauses()).add(causes)
@@ -120,6 +141,19 @@ class RunResult:
             mine.requests += totals.requests
             mine.prompt_tokens += totals.prompt_tokens
             mine.hit_tokens += totals.hit_tokens
+
+
+def percentile(values: Sequence[int], pct: float) -> float:
+    """Nearest-rank percentile (0 for no values).
+
+    >>> percentile([5, 1, 3, 2, 4], 50), percentile(list(range(1, 101)), 99), percentile([], 99)
+    (3, 99, 0)
+    """
+    if not values:
+        return 0
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * pct // 100))
+    return ordered[int(rank) - 1]
 
 
 class LazyPrompt(Sequence[int]):
@@ -298,7 +332,8 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
     scheduler = Scheduler(manager, max_running=settings.max_running,
                           chunk_size=settings.chunk_size,
                           reserve_full_prompt=settings.reserve_full_prompt,
-                          lookahead_requests=settings.lookahead_requests)
+                          lookahead_requests=settings.lookahead_requests,
+                          admission=settings.admission)
     sched_requests: list[SchedRequest] = []
     prompt_hasher = _PromptHasher(manager.hasher)
     for index, request in enumerate(trace.requests):
@@ -333,6 +368,7 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
             progress(num_finished, num_requests)
     result = _collect(policy, config, manager, scheduler, sched_requests, started)
     result.hash_seconds += prompt_hasher.seconds
+    result.scheduler_seconds = scheduler.seconds - result.hash_seconds
     result.misses = manager.misses
     result.misses_by_tag = manager.misses_by_tag
     result.log = manager.log
@@ -360,8 +396,11 @@ def _collect(policy: str, config: CacheConfig, manager: KVCacheManager, schedule
         bridge_tokens=stats.bridge_tokens,
         steps=scheduler.num_steps, evicted_blocks=sum(stats.evicted_blocks_by_group),
         manager_seconds=manager.manager_seconds, hash_seconds=manager.hash_seconds,
+        admission=scheduler.admission.name,
     )
     for request in sched_requests:
+        assert request.admitted_step is not None and request.eligible_step is not None
+        result.wait_steps.append(request.admitted_step - request.eligible_step)
         totals = result.by_tag.setdefault(request.tag or "all", TagTotals())
         totals.requests += 1
         totals.prompt_tokens += len(request.prompt_token_ids)

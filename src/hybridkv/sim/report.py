@@ -81,6 +81,7 @@ def _tag(result: RunResult, tag: str) -> TagTotals:
 def _run_json(result: RunResult) -> dict[str, object]:
     return {
         "policy": result.policy,
+        "admission": result.admission,
         "num_blocks": result.num_blocks,
         "requests": result.requests,
         "prompt_tokens": result.prompt_tokens,
@@ -95,6 +96,9 @@ def _run_json(result: RunResult) -> dict[str, object]:
         "manager_seconds": round(result.manager_seconds, 4),
         "hash_seconds": round(result.hash_seconds, 4),
         "wall_seconds": round(result.wall_seconds, 4),
+        "scheduler_seconds": round(result.scheduler_seconds, 4),
+        "wait_steps": {"p50": result.wait_p50_steps, "p99": result.wait_p99_steps,
+                       "max": result.wait_max_steps},
         "bound": result.bound,
         "bound_fa": result.bound_fa,
         "bound_hit_tokens": result.bound_hit_tokens,
@@ -115,26 +119,31 @@ _CAUSE_LABELS = {"cold": "cold", "evicted": "evicted", "tail": "tail", "alignmen
 def render_table(report: Report, console: Console) -> None:
     """Print the policy comparison table (best hit rate marked), with the miss causes."""
     table = Table(title=f"{report.trace} on {report.model}", title_justify="left")
-    for name in ("policy", "hit rate", "bound", "bound_fa", "ceiling",
+    for name in ("policy", "admission", "hit rate", "bound", "bound_fa", "ceiling",
                  *(_CAUSE_LABELS[c] for c in MISS_CAUSES), "hit tokens", "prompt tokens",
-                 "preemptions", "manager s", "wall s"):
-        table.add_column(name, justify="left" if name == "policy" else "right",
+                 "preemptions", "wait p50/p99/max steps", "manager s", "sched s", "wall s"):
+        table.add_column(name, justify="left" if name in ("policy", "admission") else "right",
                          no_wrap=name == "policy")
     best = max((r.result.hit_rate for r in report.runs), default=0.0)
     for run in report.runs:
         r = run.result
         mark = " *" if report.runs and r.hit_rate == best and len(report.runs) > 1 else ""
         shares = r.misses.shares()
-        table.add_row(f"{r.policy}{mark}", f"{100 * r.hit_rate:.2f}%", _rate(r.bound),
-                      _rate(r.bound_fa), f"{100 * report.ceiling:.2f}%",
+        table.add_row(f"{r.policy}{mark}", r.admission, f"{100 * r.hit_rate:.2f}%",
+                      _rate(r.bound), _rate(r.bound_fa), f"{100 * report.ceiling:.2f}%",
                       *(f"{100 * shares[c]:.1f}%" for c in MISS_CAUSES),
                       f"{r.hit_tokens:,}", f"{r.prompt_tokens:,}", str(r.preemptions),
-                      f"{r.manager_seconds:.2f}", f"{r.wall_seconds:.2f}")
+                      f"{r.wait_p50_steps:,.0f} / {r.wait_p99_steps:,.0f} / "
+                      f"{r.wait_max_steps:,}",
+                      f"{r.manager_seconds:.2f}", f"{r.scheduler_seconds:.2f}",
+                      f"{r.wall_seconds:.2f}")
     console.print(table)
     console.print(f"bound {_rate(report.bound)} (hybrid-aware), bound_fa "
                   f"{_rate(report.bound_fa)} (full-attention blocks only): offline optima "
                   "for each run's admission order; cold … admit: shares of the missed "
-                  "tokens (hybridkv replay --help). * = best policy.", style="dim")
+                  "tokens (hybridkv replay --help). * = best policy. wait: steps from "
+                  "eligibility to first admission (the replay has no time model); sched s: "
+                  "manager + scheduler time.", style="dim")
     if any(run.fractions for run in report.runs):
         _render_fractions(report, console)
 
@@ -148,8 +157,15 @@ def _render_fractions(report: Report, console: Console) -> None:
     for run in report.runs:
         cells = [f"{100 * _tag(run.fractions[f], 'replay').hit_rate:.1f}"
                  for f in fractions]
-        table.add_row(run.result.policy, *cells)
+        table.add_row(_label(run.result), *cells)
     console.print(table)
+
+
+def _label(result: RunResult) -> str:
+    """Policy name, with the admission order unless it is the protocol's ``fcfs``."""
+    if result.admission == "fcfs":
+        return result.policy
+    return f"{result.policy} [{result.admission}]"
 
 
 def plot_policies(report: Report, path: Path) -> None:
@@ -165,11 +181,11 @@ def plot_policies(report: Report, path: Path) -> None:
         for run in report.runs:
             xs = [float(f) for f in run.fractions]
             ys = [100 * _tag(r, "replay").hit_rate for r in run.fractions.values()]
-            ax.plot(xs, ys, marker="o", label=run.result.policy)
+            ax.plot(xs, ys, marker="o", label=_label(run.result))
         ax.set_xlabel("replayed prompt fraction f")
         ax.legend(fontsize=8)
     else:
-        names = [run.result.policy for run in report.runs]
+        names = [_label(run.result) for run in report.runs]
         values = [100 * run.result.hit_rate for run in report.runs]
         ax.bar(names, values, color="tab:blue")
         ax.axhline(100 * report.ceiling, color="tab:red", linestyle="--", label="ceiling")
@@ -218,11 +234,14 @@ def plot_sweep(rows: Sequence[Mapping[str, object]], ceiling: float, title: str,
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    policies = list(dict.fromkeys(str(row["policy"]) for row in rows))
-    for policy in policies:
+    keys = list(dict.fromkeys((str(row["policy"]), str(row.get("admission", "fcfs")))
+                              for row in rows))
+    for policy, admission in keys:
         points = sorted((int(str(row["num_blocks"])), 100 * float(str(row["hit_rate"])))
-                        for row in rows if row["policy"] == policy)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
+                        for row in rows if row["policy"] == policy
+                        and str(row.get("admission", "fcfs")) == admission)
+        label = policy if admission == "fcfs" else f"{policy} [{admission}]"
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
     ax.axhline(100 * ceiling, color="tab:red", linestyle="--", label="ceiling")
     ax.set_xlabel("pool size (blocks)")
     ax.set_ylabel("prefix-cache hit rate (%)")

@@ -7,24 +7,34 @@ One step (``schedule``), per ``docs/replay-protocol.md``:
    recently admitted running request is preempted (blocks freed, progress reset, back to the
    head of the waiting queue) and the allocation retried; a requester that is itself the
    most recent is preempted.
-2. If nothing was preempted: admissions, first come first served among the first
-   ``lookahead_requests`` waiting requests whose session and phase allow it, while budget
-   remains and fewer than ``max_running`` run: look up the prefix hit, allocate
+2. If nothing was preempted: admissions among the first ``lookahead_requests`` waiting
+   requests whose session and phase allow it (the *candidates*), while budget remains and
+   fewer than ``max_running`` run: the admission order picks one (``fcfs``, the protocol
+   and the default: the first; see ``sim/admission.py`` for the cache-aware orders and
+   their starvation guard), then look up the prefix hit, allocate
    ``min(num_tokens - hit, budget)`` slots behind the admission gate; a refusal ends
    admissions for the step.
 3. The caller executes the returned chunks in order and calls ``update`` with one sampled
    token per chunk that completed its request's known tokens.
+
+Waiting cost: a request is *eligible* from the first step at which the protocol would let
+it be admitted if pool and budget allowed (its phase is open, it is the first unadmitted
+request of its session and no request of its session runs), look-ahead window aside;
+``eligible_step`` and ``admitted_step`` (first admission) are recorded for every request
+under every order, so ``admitted_step - eligible_step`` is the steps it waited.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hybridkv.cache import KVCacheManager
+from hybridkv.cache import KVCacheManager, PrefixHit
 from hybridkv.errors import ConfigError, RequestError
 from hybridkv.ids import BlockHash
+from hybridkv.sim.admission import AdmissionOrder, StarvationGuard, make_admission_order
 
 
 @dataclass(slots=True)
@@ -47,6 +57,13 @@ class SchedRequest:
     (a replayer memoising shared prefixes); ``None`` lets the manager hash."""
     num_admissions: int = 0
     first_hit_tokens: int | None = None
+    eligible_step: int | None = None
+    """First step at which it was eligible (see the module docstring)."""
+    admitted_step: int | None = None
+    """Step of its first admission."""
+    num_overtaken: int = 0
+    """Admissions of later candidates while it was a candidate (the starvation guard's
+    count; always 0 under ``fcfs``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +90,22 @@ class StepPlan:
 
 
 class Scheduler:
-    """FCFS scheduler with chunked prefill, decode, preemption of the newest request."""
+    """Scheduler with chunked prefill, decode, preemption of the newest request, and an
+    admission order (``admission``: a name from ``sim.admission.ORDERS`` or an
+    ``AdmissionOrder``; default ``fcfs``)."""
 
     def __init__(self, manager: KVCacheManager, *, max_running: int = 16,
                  chunk_size: int = 8192, reserve_full_prompt: bool = True,
-                 lookahead_requests: int = 256) -> None:
+                 lookahead_requests: int = 256,
+                 admission: str | AdmissionOrder = "fcfs") -> None:
         if max_running <= 0:
             raise ConfigError("max_running", max_running, "must be a positive request count")
         if chunk_size <= 0:
             raise ConfigError("chunk_size", chunk_size, "must be a positive token count")
+        self.admission = make_admission_order(admission) if isinstance(admission, str) \
+            else admission
+        self._is_fcfs = self.admission.name == "fcfs"
+        self.guard = StarvationGuard(max_running)
         self.manager = manager
         self.max_running = max_running
         self.chunk_size = chunk_size
@@ -95,6 +119,16 @@ class Scheduler:
         self._active_session: dict[str, str] = {}
         self._unfinished_by_phase: dict[int, int] = {}
         self._registered: set[str] = set()
+        self._unadmitted: dict[str, deque[SchedRequest]] = {}
+        """Per session, its never-admitted requests in queue order."""
+        self._to_check: list[SchedRequest] = []
+        """Requests that may have become eligible (checked at the next step's start)."""
+        self._queue_version = 0
+        self._candidates: list[SchedRequest] = []
+        self._candidates_version = -1
+        self.seconds = 0.0
+        """Wall time inside ``schedule`` and ``update`` (manager calls and prompt hashing
+        included)."""
 
     def add_request(self, request: SchedRequest) -> None:
         """Queue a request (registered with the cache manager when first admitted)."""
@@ -107,6 +141,10 @@ class Scheduler:
         self.waiting.append(request)
         self._unfinished_by_phase[request.phase] = (
             self._unfinished_by_phase.get(request.phase, 0) + 1)
+        if request.session_id is not None:
+            self._unadmitted.setdefault(request.session_id, deque()).append(request)
+        self._to_check.append(request)
+        self._queue_version += 1
 
     @property
     def has_unfinished(self) -> bool:
@@ -115,7 +153,16 @@ class Scheduler:
     # ------------------------------------------------------------------ step
     def schedule(self) -> StepPlan:
         """Plan one step: allocations for running requests, then admissions."""
+        started = time.perf_counter()
+        try:
+            return self._schedule()
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _schedule(self) -> StepPlan:
         self.num_steps += 1
+        if self._to_check:
+            self._stamp_eligible()
         self.manager.new_step()
         budget = self.chunk_size
         chunks: list[ScheduledChunk] = []
@@ -167,20 +214,45 @@ class Scheduler:
         self.manager.free(request.req_id)
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+        self._queue_version += 1
 
-    def _admit_next(self, budget: int) -> ScheduledChunk | None:
-        request = self._next_eligible()
-        if request is None:
-            return None
-        manager = self.manager
+    def _register(self, request: SchedRequest) -> None:
         req_id = request.req_id
         if req_id not in self._registered:
             prompt = request.prompt_token_ids
             hashes = None if request.hash_prompt is None else request.hash_prompt(prompt)
-            manager.add_request(req_id, prompt, session_id=request.session_id,
-                                block_hashes=hashes)
+            self.manager.add_request(req_id, prompt, session_id=request.session_id,
+                                     block_hashes=hashes)
             self._registered.add(req_id)
-        hit = manager.find_longest_hit(req_id)
+
+    # The ``admission.Probe`` an order asks about candidates (the manager's public lookup).
+    def hit(self, request: SchedRequest) -> PrefixHit:
+        self._register(request)
+        return self.manager.find_longest_hit(request.req_id)
+
+    def may_extend(self, request: SchedRequest, num_tokens: int) -> bool:
+        self._register(request)
+        return self.manager.may_extend(request.req_id, num_tokens)
+
+    @property
+    def version(self) -> tuple[int, int]:
+        return self.manager.lookup_version
+
+    def _admit_next(self, budget: int) -> ScheduledChunk | None:
+        hit: PrefixHit | None = None
+        candidates: list[SchedRequest] = []
+        if self._is_fcfs:
+            request = self._next_eligible()
+        else:
+            candidates = self._current_candidates()
+            request, hit = self._choose(candidates)
+        if request is None:
+            return None
+        manager = self.manager
+        req_id = request.req_id
+        self._register(request)
+        if hit is None:
+            hit = manager.find_longest_hit(req_id)
         num_tokens = manager.num_tokens(req_id)
         num_new = manager.align_prefill_chunk(req_id, min(num_tokens - hit.num_tokens, budget),
                                               hit, max_chunk_tokens=self.chunk_size)
@@ -192,13 +264,77 @@ class Scheduler:
             return None
         self.waiting.remove(request)
         self.running.append(request)
+        self._queue_version += 1
         if request.session_id is not None:
             self._active_session[request.session_id] = req_id
         if request.num_admissions == 0:
             request.first_hit_tokens = hit.num_tokens
+            request.admitted_step = self.num_steps
+            if request.session_id is not None:
+                unadmitted = self._unadmitted[request.session_id]
+                if unadmitted[0] is request:
+                    unadmitted.popleft()
+                else:  # a phase barrier let a later request of the session go first
+                    unadmitted.remove(request)
         request.num_admissions += 1
+        if candidates:
+            self.guard.on_admitted(candidates, request)
+            self.admission.forget(request)
         return ScheduledChunk(req_id, hit.num_tokens, num_new, hit.num_tokens,
                               hit.num_tokens + num_new == num_tokens)
+
+    def _choose(self, candidates: list[SchedRequest],
+                ) -> tuple[SchedRequest | None, PrefixHit | None]:
+        """The starvation guard's due candidate, else the admission order's choice."""
+        if not candidates:
+            return None, None
+        due = self.guard.due(candidates)
+        if due is not None:
+            return due, None
+        return self.admission.choose(candidates, self)
+
+    def _current_candidates(self) -> list[SchedRequest]:
+        """The eligible waiting requests of the look-ahead window, in queue order: the
+        ones ``_next_eligible`` would accept, first of each session only (cached until the
+        queue changes)."""
+        if self._candidates_version == self._queue_version:
+            return self._candidates
+        lowest_phase = min((p for p, n in self._unfinished_by_phase.items() if n > 0),
+                           default=0)
+        candidates: list[SchedRequest] = []
+        seen_sessions: set[str] = set()
+        position = 0
+        for request in self.waiting:
+            if request.phase > lowest_phase:
+                continue  # as in ``_next_eligible``: not counted against the window
+            if position >= self.lookahead_requests:
+                break
+            position += 1
+            session = request.session_id
+            if session is not None:
+                if session in seen_sessions or self._active_session.get(
+                        session, request.req_id) != request.req_id:
+                    continue
+                seen_sessions.add(session)
+            candidates.append(request)
+        self._candidates = candidates
+        self._candidates_version = self._queue_version
+        return candidates
+
+    def _stamp_eligible(self) -> None:
+        """Record ``eligible_step`` of the requests that may have become eligible."""
+        lowest_phase = min((p for p, n in self._unfinished_by_phase.items() if n > 0),
+                           default=0)
+        for request in self._to_check:
+            if request.eligible_step is not None or request.phase > lowest_phase:
+                continue
+            session = request.session_id
+            if session is not None and (
+                    session in self._active_session
+                    or self._session_head(session, lowest_phase) is not request):
+                continue  # re-checked when its session's running request finishes
+            request.eligible_step = self.num_steps
+        self._to_check = []
 
     def _next_eligible(self) -> SchedRequest | None:
         lowest_phase = min((p for p, n in self._unfinished_by_phase.items() if n > 0),
@@ -220,10 +356,22 @@ class Scheduler:
             return request
         return None
 
+    def _session_head(self, session: str, lowest_phase: int) -> SchedRequest | None:
+        """The session's first unadmitted request whose phase is open (the one
+        ``_next_eligible`` would reach first)."""
+        return next((r for r in self._unadmitted[session] if r.phase <= lowest_phase), None)
+
     # ---------------------------------------------------------------- update
     def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[str]:
         """Record sampled tokens of the step's sampling chunks; finish and free requests
         that reached ``max_output_tokens``. Returns the finished request ids."""
+        started = time.perf_counter()
+        try:
+            return self._update(plan, sampled)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[str]:
         finished: list[str] = []
         for chunk in plan.chunks:
             if not chunk.samples:
@@ -244,4 +392,13 @@ class Scheduler:
         self._registered.discard(request.req_id)
         if request.session_id is not None:
             self._active_session.pop(request.session_id, None)
+            lowest_phase = min((p for p, n in self._unfinished_by_phase.items() if n > 0),
+                               default=0)
+            head = self._session_head(request.session_id, lowest_phase)
+            if head is not None:
+                self._to_check.append(head)
         self._unfinished_by_phase[request.phase] -= 1
+        if self._unfinished_by_phase[request.phase] == 0:
+            self._to_check.extend(self.waiting)  # a phase barrier may have opened
+        self._queue_version += 1
+        self.admission.on_finished(request, self.num_steps)

@@ -1,0 +1,303 @@
+"""Admission orders: which eligible waiting request the shared scheduler admits next.
+
+The scheduler (``sim/scheduler.py``) owns eligibility (session serialisation, phase
+barriers, the look-ahead window) and hands an order its *candidates*: the eligible waiting
+requests of the window, in queue (first-come) order. The order picks one; the scheduler
+then looks its hit up (or reuses the one the order probed), allocates, and admits it.
+
+Orders (``--admission``):
+
+``fcfs``
+    The protocol: the first candidate (trace position). The scheduler keeps its original
+    code path for it, so numbers are identical to before admission orders existed.
+``hit``
+    Longest *usable* hit first: the hit ``KVCacheManager.find_longest_hit`` reports now
+    (window tails, checkpoints, bridges all count as the manager counts them; a full
+    attention match whose window tail is gone is not a hit). Ties go to the earlier request.
+``session``
+    Session continuity: the candidate whose session's previous request finished most
+    recently (its context is the most likely to still be resident) goes first; requests
+    with no finished predecessor follow in first-come order. No lookups at all.
+``warm``
+    (the recommended cache-aware order) ...
+
+Every order except ``fcfs`` runs under the same starvation guard (``StarvationGuard``);
+its bound is stated there.
+
+Probing is cheap: an order keeps each candidate's last probed hit and trusts it until the
+candidate reaches the top of the order; only then is it looked up again (the lookup the
+admission needs anyway), and if the fresh value no longer beats the runner-up's cached one
+the next candidate is verified instead (lazy greedy selection). A candidate is probed when
+it first becomes a candidate, when it is verified at the top, and when new cached blocks
+may have extended its hit (``RankedOrder``).
+"""
+
+from __future__ import annotations
+
+import bisect
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from hybridkv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hybridkv.cache import PrefixHit
+    from hybridkv.sim.scheduler import SchedRequest
+
+class Probe(Protocol):
+    """What an order may ask the cache about a candidate (the scheduler provides it)."""
+
+    def hit(self, request: SchedRequest) -> PrefixHit:
+        """The candidate's usable hit now (``KVCacheManager.find_longest_hit``)."""
+
+    def may_extend(self, request: SchedRequest, num_tokens: int) -> bool:
+        """``KVCacheManager.may_extend``: False ⇒ no hit longer than ``num_tokens``."""
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """``KVCacheManager.lookup_version`` now."""
+
+
+class AdmissionOrder(ABC):
+    """Chooses the next admission among the candidates (never empty, first-come order)."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def choose(self, candidates: Sequence[SchedRequest], probe: Probe,
+               ) -> tuple[SchedRequest, PrefixHit | None]:
+        """The request to admit and, when the order has it, its current hit (valid:
+        nothing mutates the cache between ``choose`` and the admission). ``version`` is the
+        manager's ``lookup_version`` now: a hit probed at an equal version is current."""
+
+    def on_finished(self, request: SchedRequest, step: int) -> None:  # noqa: B027
+        """A request finished (session orders remember when); nothing by default."""
+
+    def forget(self, request: SchedRequest) -> None:  # noqa: B027
+        """The request was admitted: drop per-request state; nothing by default."""
+
+
+class FirstComeOrder(AdmissionOrder):
+    """The first candidate (what the scheduler's fcfs path does, kept for completeness)."""
+
+    name = "fcfs"
+
+    def choose(self, candidates: Sequence[SchedRequest], probe: Probe,
+               ) -> tuple[SchedRequest, PrefixHit | None]:
+        return candidates[0], None
+
+
+class RankedOrder(AdmissionOrder):
+    """An order by a per-candidate score (larger first, ties to the earlier candidate).
+
+    The ranking is kept while the scheduler hands over the same candidate list (it builds
+    a new list only when the queue changes), so a step whose admission is refused again
+    costs at most one lookup, not a pass over the candidates.
+
+    Probed scores are cached with the manager's ``lookup_version`` (epoch, hashes ever
+    indexed) and kept honest both ways:
+
+    - *growth* (a running request cached blocks a candidate can use): when the candidate
+      list is rebuilt, a candidate probed before new hashes were indexed is looked up
+      again only if ``may_extend`` says the full-attention block right after its cached
+      hit is now cached (a few dictionary probes); otherwise its hit cannot have grown;
+    - *shrinkage* (evictions): lazy verification: the top candidate is looked up again
+      unless nothing changed since its probe; if its fresh score still beats the
+      runner-up's cached one it is chosen, else it is re-ranked and the next one verified.
+    """
+
+    probes: ClassVar[bool] = False
+    """Scores come from hit lookups (verified at the top) rather than scheduler state."""
+
+    def __init__(self) -> None:
+        self._candidates: Sequence[SchedRequest] | None = None
+        self._ranked: list[tuple[float, int]] = []
+        """(-score, candidate index), ascending: best first."""
+        self._cached: dict[str, tuple[tuple[int, int], PrefixHit]] = {}
+        """Request id → (lookup version, hit) of its last probe."""
+        self.num_probes = 0
+
+    @abstractmethod
+    def score(self, request: SchedRequest, hit_tokens: int) -> float:
+        """Larger is admitted first; ``hit_tokens`` is the (cached) usable hit when the
+        order probes, else 0."""
+
+    def _probe(self, request: SchedRequest, probe: Probe, version: tuple[int, int],
+               ) -> PrefixHit:
+        hit = probe.hit(request)
+        self.num_probes += 1
+        self._cached[request.req_id] = (version, hit)
+        return hit
+
+    def _current_tokens(self, request: SchedRequest, probe: Probe,
+                        version: tuple[int, int]) -> int:
+        """The cached hit, looked up again if it may have grown since."""
+        entry = self._cached.get(request.req_id)
+        if entry is None or (entry[0][1] != version[1]
+                             and probe.may_extend(request, entry[1].num_tokens)):
+            return self._probe(request, probe, version).num_tokens
+        return entry[1].num_tokens
+
+    def choose(self, candidates: Sequence[SchedRequest], probe: Probe,
+               ) -> tuple[SchedRequest, PrefixHit | None]:
+        version = probe.version
+        if candidates is not self._candidates:
+            self._candidates = candidates
+            self._ranked = sorted(
+                (-self.score(r, self._current_tokens(r, probe, version) if self.probes
+                             else 0), i)
+                for i, r in enumerate(candidates))
+        ranked = self._ranked
+        if not self.probes:
+            return candidates[ranked[0][1]], None
+        while True:
+            index = ranked[0][1]
+            request = candidates[index]
+            probed_at, hit = self._cached[request.req_id]
+            if probed_at == version:  # exact now: it beats every cached runner-up
+                return request, hit
+            hit = self._probe(request, probe, version)
+            entry = (-self.score(request, hit.num_tokens), index)
+            if len(ranked) == 1 or entry <= ranked[1]:
+                ranked[0] = entry
+                return request, hit
+            del ranked[0]
+            bisect.insort(ranked, entry)
+
+    def forget(self, request: SchedRequest) -> None:
+        self._cached.pop(request.req_id, None)
+
+
+class LongestHitOrder(RankedOrder):
+    """Longest usable hit first.
+
+    >>> from types import SimpleNamespace as NS
+    >>> hits = {"a": 0, "b": 512, "c": 256}
+    >>> probe = NS(hit=lambda r: NS(num_tokens=hits[r.req_id]), version=(1, 0))
+    >>> order = LongestHitOrder()
+    >>> reqs = [NS(req_id=k) for k in "abc"]
+    >>> order.choose(reqs, probe)[0].req_id
+    'b'
+    >>> hits["b"] = 0  # evicted, but the lookup version did not move: not looked at again
+    >>> order.choose(reqs, probe)[0].req_id
+    'b'
+    >>> probe.version = (2, 0)  # an allocation: "b" verified, demoted; "c" verified, wins
+    >>> order.choose(reqs, probe)[0].req_id
+    'c'
+    >>> order.num_probes  # a, b, c once each, then b and c again
+    5
+    """
+
+    name = "hit"
+    probes = True
+
+    def score(self, request: SchedRequest, hit_tokens: int) -> float:
+        return float(hit_tokens)
+
+
+class SessionOrder(RankedOrder):
+    """Session continuity: the most recently finished session's next request first.
+
+    >>> from types import SimpleNamespace as NS
+    >>> order = SessionOrder()
+    >>> a, b, c = (NS(req_id=k, session_id=k) for k in "abc")
+    >>> order.on_finished(NS(session_id="c"), 7)
+    >>> order.on_finished(NS(session_id="b"), 9)
+    >>> order.choose([a, b, c], NS(version=(0, 0)))[0].req_id
+    'b'
+    """
+
+    name = "session"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._finished_step: dict[str, int] = {}
+
+    def score(self, request: SchedRequest, hit_tokens: int) -> float:
+        session = request.session_id
+        return float("-inf") if session is None else \
+            float(self._finished_step.get(session, -1))
+
+    def on_finished(self, request: SchedRequest, step: int) -> None:
+        if request.session_id is not None:
+            self._finished_step[request.session_id] = step
+
+
+class StarvationGuard:
+    """Bounded overtaking: no candidate is passed over more than ``bound`` times.
+
+    Each admission increments ``num_overtaken`` of every candidate ahead of the admitted
+    one in first-come order; a candidate whose count reached ``bound`` is *due* and is
+    admitted before the order is asked again (the first-come due one first; a refusal of
+    its allocation ends the step's admissions, as under ``fcfs``).
+
+    The bound (the scheduler uses ``bound = max_running``): while a request is eligible in
+    the window, at most ``bound`` requests that came after it are admitted before it, so it
+    is admitted no later than first-come order would admit it, delayed by at most
+    ``max_running`` admissions — one turnover of the running set. It is a bound on
+    *admissions*; in steps it is the time those admissions take, which the cache-aware
+    orders shorten (their admissions are the ones with the longest hits).
+
+    >>> from types import SimpleNamespace
+    >>> guard = StarvationGuard(2)
+    >>> a, b, c = (SimpleNamespace(req_id=k, num_overtaken=0) for k in "abc")
+    >>> guard.on_admitted([a, b, c], c); guard.on_admitted([a, b, c], b)
+    >>> (a.num_overtaken, b.num_overtaken, guard.due([a, b, c]) is a)
+    (2, 1, True)
+    """
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self._due_for: Sequence[SchedRequest] | None = None
+        self._due: SchedRequest | None = None
+
+    def due(self, candidates: Sequence[SchedRequest]) -> SchedRequest | None:
+        """The first candidate passed over ``bound`` times (cached per candidate list:
+        counts change only by admissions, which make a new list)."""
+        if candidates is not self._due_for:
+            self._due_for = candidates
+            self._due = next((r for r in candidates if r.num_overtaken >= self.bound), None)
+        return self._due
+
+    def on_admitted(self, candidates: Sequence[SchedRequest], admitted: SchedRequest) -> None:
+        for request in candidates:
+            if request is admitted:
+                return
+            request.num_overtaken += 1
+
+
+ORDERS: dict[str, type[AdmissionOrder]] = {
+    FirstComeOrder.name: FirstComeOrder,
+    LongestHitOrder.name: LongestHitOrder,
+    SessionOrder.name: SessionOrder,
+}
+
+
+def parse_admissions(text: str) -> list[str]:
+    """``--admission``: a comma-separated list of order names, or ``all``.
+
+    >>> parse_admissions("fcfs, hit"), parse_admissions("all") == list(ORDERS)
+    (['fcfs', 'hit'], True)
+    """
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ConfigError("--admission", text, f"name an order: {', '.join(ORDERS)}, or all")
+    expanded: list[str] = []
+    for name in names:
+        if name == "all":
+            expanded.extend(ORDERS)
+        elif name in ORDERS:
+            expanded.append(name)
+        else:
+            raise ConfigError("--admission", name,
+                              f"choose from {', '.join(ORDERS)}, or all (comma-separated)")
+    return list(dict.fromkeys(expanded))
+
+
+def make_admission_order(name: str) -> AdmissionOrder:
+    """An order by name (``--admission``)."""
+    order = ORDERS.get(name)
+    if order is None:
+        raise ConfigError("--admission", name, f"choose one of {', '.join(ORDERS)}")
+    return order()

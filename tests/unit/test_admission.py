@@ -1,0 +1,167 @@
+"""Admission orders and waiting cost (``sim/admission.py``, ``sim/scheduler.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridkv import CacheConfig, FullAttentionSpec, KVCacheManager, SlidingWindowSpec
+from hybridkv.cli import main
+from hybridkv.errors import ConfigError
+from hybridkv.sim.admission import ORDERS, parse_admissions
+from hybridkv.sim.replay import ReplaySettings, replay
+from hybridkv.sim.scheduler import SchedRequest, Scheduler
+from hybridkv.sim.trace import Trace, TraceRequest
+
+
+def _drive(scheduler: Scheduler, max_steps: int = 10_000) -> list[str]:
+    """Run to completion; the admission order (first admissions only)."""
+    order: list[str] = []
+    while scheduler.has_unfinished:
+        assert scheduler.num_steps < max_steps
+        plan = scheduler.schedule()
+        order += [r for r in plan.admitted if scheduler.requests[r].num_admissions == 1]
+        scheduler.update(plan, {c.req_id: 7 for c in plan.chunks if c.samples})
+    return order
+
+
+def _full_attention(num_blocks: int, block_size: int = 4) -> KVCacheManager:
+    return KVCacheManager(
+        CacheConfig.from_layers([FullAttentionSpec(block_size, 1)], num_blocks), "latest")
+
+
+def test_waits_count_steps_from_eligibility_to_first_admission() -> None:
+    # One request at a time, each finishing in the step it is admitted (prompt fits the
+    # budget, one output token): r0 waits 0 steps, r1 1, r2 2. In a session, s1 becomes
+    # eligible only when s0 finished (step 1), and is admitted at once (step 2): wait 0.
+    scheduler = Scheduler(_full_attention(64), max_running=1, chunk_size=64)
+    requests = [SchedRequest(f"r{i}", [i] * 8, 1) for i in range(3)]
+    requests += [SchedRequest("s0", [9] * 8, 1, session_id="s"),
+                 SchedRequest("s1", [9] * 12, 1, session_id="s")]
+    for request in requests:
+        scheduler.add_request(request)
+    assert _drive(scheduler) == ["r0", "r1", "r2", "s0", "s1"]
+    waits = {r.req_id: (r.eligible_step, r.admitted_step) for r in requests}
+    assert waits == {"r0": (1, 1), "r1": (1, 2), "r2": (1, 3), "s0": (1, 4), "s1": (5, 5)}
+
+
+def _shared_prefix_requests() -> list[SchedRequest]:
+    # "a" then three unrelated requests, then "a2" (extends "a"): with a pool that holds
+    # about one prompt, fcfs lets the unrelated ones evict "a" before "a2" comes up.
+    prefix = list(range(100, 132))  # 32 tokens = 8 blocks
+    requests = [SchedRequest("a", prefix, 1)]
+    requests += [SchedRequest(f"u{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 32)), 1)
+                 for i in range(3)]
+    requests.append(SchedRequest("a2", [*prefix, 7, 7, 7, 7], 1))
+    return requests
+
+
+@pytest.mark.parametrize(("admission", "expected"), [
+    ("fcfs", ["a", "u0", "u1", "u2", "a2"]),
+    ("hit", ["a", "a2", "u0", "u1", "u2"]),
+])
+def test_longest_usable_hit_admits_the_warm_request_first(admission: str,
+                                                          expected: list[str]) -> None:
+    manager = _full_attention(1 + 12)  # one 36-token prompt's 9 blocks, plus 3
+    scheduler = Scheduler(manager, max_running=1, chunk_size=64, admission=admission)
+    requests = _shared_prefix_requests()
+    for request in requests:
+        scheduler.add_request(request)
+    assert _drive(scheduler) == expected
+    a2 = next(r for r in requests if r.req_id == "a2")
+    assert a2.first_hit_tokens == (32 if admission == "hit" else 0)
+
+
+def test_usable_hit_needs_the_window_tail_not_just_full_attention() -> None:
+    # Hybrid model: "b" shares 16 tokens of full attention with the cache but its window
+    # tail was never cached there (``latest`` keeps only the tail at the prompt end), so
+    # its *usable* hit is 0 and the request with a real (resend) hit goes first.
+    config = CacheConfig.from_layers(
+        [FullAttentionSpec(4, 1), SlidingWindowSpec(4, 1, 8)], 64)
+    manager = KVCacheManager(config, "latest")
+    scheduler = Scheduler(manager, max_running=1, chunk_size=64, admission="hit")
+    seed = list(range(40))
+    scheduler.add_request(SchedRequest("seed", seed, 1))
+    _drive(scheduler)
+    partial = SchedRequest("b", [*seed[:16], *range(500, 520)], 1)   # FA match 16, no tail
+    resend = SchedRequest("c", [*seed, 1, 2, 3, 4], 1)  # the tail at (40 - 1) // 4 * 4 = 36
+    for request in (partial, resend):
+        scheduler.add_request(request)
+    assert _drive(scheduler) == ["c", "b"]
+    assert resend.first_hit_tokens == 36 and partial.first_hit_tokens == 0
+
+
+@pytest.mark.parametrize(("admission", "expected"), [
+    ("fcfs", ["x0", "y0", "x1", "y1"]),
+    ("session", ["x0", "x1", "y0", "y1"]),
+])
+def test_session_order_continues_the_most_recently_finished_session(
+        admission: str, expected: list[str]) -> None:
+    # When x0 finishes, x1 (its session just finished) goes before y0 (a session that has
+    # not run yet), although y0 came first.
+    scheduler = Scheduler(_full_attention(64), max_running=1, chunk_size=64,
+                          admission=admission)
+    for req_id, session in (("x0", "x"), ("y0", "y"), ("x1", "x"), ("y1", "y")):
+        scheduler.add_request(SchedRequest(req_id, [len(req_id)] * 8, 1, session_id=session))
+    assert _drive(scheduler) == expected
+
+
+def test_starvation_guard_admits_a_request_passed_over_max_running_times() -> None:
+    # "cold" (no hit) is first; a stream of warm requests would pass it forever under a
+    # pure longest-hit order. With max_running = 2 it is passed over at most twice.
+    manager = _full_attention(200)
+    scheduler = Scheduler(manager, max_running=2, chunk_size=64, admission="hit")
+    warm = list(range(300, 332))
+    scheduler.add_request(SchedRequest("seed", warm, 1))
+    _drive(scheduler)
+    scheduler.add_request(SchedRequest("cold", list(range(900, 932)), 1))
+    for i in range(6):
+        scheduler.add_request(SchedRequest(f"w{i}", [*warm, i, i, i, i], 1))
+    order = _drive(scheduler)
+    assert order.index("cold") <= 2
+    cold = scheduler.requests["cold"]
+    assert cold.num_overtaken <= scheduler.guard.bound == 2
+    assert max(r.num_overtaken for r in scheduler.requests.values()) <= 2
+
+
+def test_parse_admissions_and_bad_names() -> None:
+    assert parse_admissions("all") == list(ORDERS)
+    assert parse_admissions("hit,fcfs,hit") == ["hit", "fcfs"]
+    with pytest.raises(ConfigError, match="--admission"):
+        parse_admissions("longest")
+    with pytest.raises(ConfigError):
+        Scheduler(_full_attention(8), admission="nope")
+
+
+def test_replay_reports_admission_and_waits() -> None:
+    requests = tuple(TraceRequest(f"r{i}", 64, 2, block_ids=(1, 2, i + 10),
+                                  trace_block_size=16, session_id=f"s{i % 2}")
+                     for i in range(6))
+    config = CacheConfig.from_layers([FullAttentionSpec(16, 1)], 40)
+    for admission in ORDERS:
+        result = replay(Trace("t", requests), config, "latest",
+                        ReplaySettings(max_running=2, admission=admission))
+        assert result.admission == admission
+        assert len(result.wait_steps) == 6 and min(result.wait_steps) >= 0
+        assert result.wait_p50_steps <= result.wait_p99_steps <= result.wait_max_steps
+        assert result.scheduler_seconds > 0
+
+
+def test_cli_crosses_admission_orders_with_policies(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    argv = ["replay", "--workload", "agentic", "--set", "num_sessions=3", "--set",
+            "num_turns=3", "--set", "first_prompt_tokens=200", "--set", "turn_tokens=50",
+            "--model", "gemma3-bench", "--num-blocks", "400", "--policy", "latest,prepend",
+            "--admission", "fcfs,hit", "--json", str(out), "--quiet"]
+    assert main(argv) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["policy"], r["admission"]) for r in runs] == [
+        ("latest", "fcfs"), ("prepend", "fcfs"), ("latest", "hit"), ("prepend", "hit")]
+    assert all(set(r["wait_steps"]) == {"p50", "p99", "max"} for r in runs)
+    assert "wait: steps from eligibility" in capsys.readouterr().out
+    assert main([*argv[:-5], "--admission", "bogus", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hybridkv replay: error: --admission='bogus'") and "\n" not in err
