@@ -15,6 +15,7 @@ from hybridkv import CacheConfig, ChunkedLocalSpec, FullAttentionSpec, SlidingWi
 from hybridkv.managers import FullAttentionManager
 from hybridkv.sim.replay import ReplaySettings, RunResult, attach_bounds, replay
 from hybridkv.sim.trace import Trace, TraceRequest
+from hybridkv.specs import RecurrentStateSpec
 
 RETENTIONS = ("dense", "reachable", "prepend", "latest", "interval:32", "pin:32")
 EVICTIONS = ("", "+scan", "+chain", "+session", "+predict", "+scan+chain+session",
@@ -25,6 +26,7 @@ MODELS = {
                           SlidingWindowSpec(8, 16, 20)),
     "full+chunked": (FullAttentionSpec(16, 8), ChunkedLocalSpec(16, 8, 32)),
     "full": (FullAttentionSpec(16, 8),),
+    "full+recurrent": (FullAttentionSpec(16, 8), RecurrentStateSpec(16, 64)),
 }
 
 
@@ -72,7 +74,7 @@ def run(case: Case, policy: str) -> tuple[RunResult, CacheConfig] | None:
 @given(case=cases())
 def test_no_replay_beats_its_bound(retention: str, eviction: str, case: Case) -> None:
     policy = retention + eviction
-    if "recompute" in eviction and case.model == "full+chunked":
+    if "recompute" in eviction and case.model in ("full+chunked", "full+recurrent"):
         policy = policy.replace("+recompute", "")  # chunked layers cannot bridge
     outcome = run(case, policy)
     if outcome is None:

@@ -27,7 +27,12 @@ Miss causes (share of missed prompt tokens, each counted once, adding to 100%):
 cold = never seen before; evicted = its full-attention chain was cached and evicted;
 tail = full-attention KV resident but a window tail / state checkpoint was not;
 align = seen, but below the alignment unit (or the always-computed last token);
-admit = never cached (not cached by the policy, or still being computed)."""
+admit = never cached (not cached by the policy, or still being computed).
+Recommended setting: interval:32768+predict+recompute (at or above latest on every row of
+docs/benchmarks.md). The +scan variants are not recommended: scan can lose to its base
+(mooncake, dsv4-bench, 5,681 blocks: interval:32768+scan 2.6 points under interval:32768,
+latest+scan 0.9 under latest), because it keeps once-hit blocks over fresh prefixes that
+the next turns of a conversation need."""
 
 
 @dataclass(slots=True)
