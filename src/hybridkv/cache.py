@@ -468,26 +468,44 @@ class KVCacheManager:
         indexed = sum(len(pool.group_index(g.group_id)) for g in self.config.groups)
         return pool.epoch, indexed + sum(pool.num_evicted_blocks)
 
-    def may_extend(self, req_id: ReqId, num_tokens: int) -> bool:
-        """False ⇒ no hit longer than ``num_tokens`` exists for the request now: some
-        full-attention group lacks the block at ``num_tokens`` (full attention bounds every
-        hybrid hit). True when each has it, or when the model has no full attention.
-        Does not modify; a few dictionary probes (``sim/admission.py`` uses it to decide
-        which waiting requests to look up again after new blocks were cached)."""
+    def may_extend(self, req_id: ReqId, num_tokens: int, matched_tokens: int = 0) -> bool:
+        """False ⇒ no hit longer than ``num_tokens`` exists for the request now, given that
+        full attention matched ``matched_tokens`` (``>= num_tokens``; a junction or bridge
+        end) when it was last looked up: no full-attention group has gained the block at
+        ``max(num_tokens, matched_tokens)`` (full attention bounds every hybrid hit), and no
+        other group holds a block of the request's chain in ``(num_tokens,
+        matched_tokens]`` (a window tail there could make a hit). True otherwise, and for a
+        model without full attention. Does not modify; dictionary probes only (the
+        admission orders of ``sim/admission.py`` use it to decide which waiting requests to
+        look up again after new blocks were cached)."""
         state = self._state(req_id, "may_extend")
+        if not self.config.enable_caching:
+            return False
         hashes = state.block_hashes
         hb = self.hasher.block_size
         pool = self.pool
-        checked = False
+        matched = max(num_tokens, matched_tokens)
+        has_full = False
         for manager in self.coordinator.managers:
             if not manager.is_full_attention:
                 continue
-            checked = True
-            position = (num_tokens // manager.block_size + 1) * manager.block_size // hb - 1
-            if position >= len(hashes) or hashes[position] not in pool.group_index(
+            has_full = True
+            position = (matched // manager.block_size + 1) * manager.block_size // hb - 1
+            if position < len(hashes) and hashes[position] in pool.group_index(
                     manager.group_id):
-                return False
-        return checked or self.config.enable_caching
+                return True
+        if not has_full:
+            return True
+        for manager in self.coordinator.managers:
+            if manager.is_full_attention or matched <= num_tokens:
+                continue
+            index = pool.group_index(manager.group_id)
+            step = manager.block_size // hb
+            first = (num_tokens // manager.block_size + 1) * step - 1
+            last = min(matched // hb, len(hashes))
+            if any(hashes[j] in index for j in range(first, last, step)):
+                return True
+        return False
 
     @property
     def usage(self) -> float:

@@ -165,3 +165,30 @@ def test_cli_crosses_admission_orders_with_policies(tmp_path: Path,
     assert main([*argv[:-5], "--admission", "bogus", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("hybridkv replay: error: --admission='bogus'") and "\n" not in err
+
+
+def test_may_extend_and_lookup_version_track_what_can_change_a_hit() -> None:
+    # Full attention (bs 4) + window 8 (bs 4), ``latest``: "seed" caches 40 tokens of full
+    # attention and the window tail at 36 only.
+    config = CacheConfig.from_layers(
+        [FullAttentionSpec(4, 1), SlidingWindowSpec(4, 1, 8)], 64)
+    manager = KVCacheManager(config, "latest")
+    scheduler = Scheduler(manager, max_running=1, chunk_size=64)
+    seed = list(range(40))
+    before = manager.lookup_version
+    scheduler.add_request(SchedRequest("seed", seed, 1))
+    _drive(scheduler)
+    assert manager.lookup_version[1] > before[1]  # hashes were indexed
+    manager.add_request("x", [*seed[:24], 999, 999, 999, 999, 999])
+    hit = manager.find_longest_hit("x")
+    assert hit.num_tokens == 0 and hit.junction_tokens == 24  # no window tail at 24
+    # full attention past 24 is not cached for "x", no window block of it in (0, 24]:
+    assert not manager.may_extend("x", hit.num_tokens, 24)
+    assert manager.may_extend("x", 0, 0)  # (its full-attention block [0, 4) is cached)
+    manager.add_request("y", seed[:37])
+    assert manager.find_longest_hit("y").num_tokens == 36
+    assert manager.may_extend("y", 0, 36)  # the window tail at 36 lies inside the match
+    assert not manager.may_extend("y", 36, 36)  # "y" has no whole block past 36
+    unchanged = manager.lookup_version
+    assert manager.find_longest_hit("y").num_tokens == 36
+    assert manager.lookup_version == unchanged  # lookups never move it

@@ -51,7 +51,7 @@ class Probe(Protocol):
     def hit(self, request: SchedRequest) -> PrefixHit:
         """The candidate's usable hit now (``KVCacheManager.find_longest_hit``)."""
 
-    def may_extend(self, request: SchedRequest, num_tokens: int) -> bool:
+    def may_extend(self, request: SchedRequest, num_tokens: int, matched_tokens: int) -> bool:
         """``KVCacheManager.may_extend``: False ⇒ no hit longer than ``num_tokens``."""
 
     @property
@@ -88,6 +88,12 @@ class FirstComeOrder(AdmissionOrder):
         return candidates[0], None
 
 
+def _matched_tokens(hit: PrefixHit) -> int:
+    """How far full attention matched at the probe: the hit, a longer junction (the window
+    tail there was missing) or a bridge's end."""
+    return max(hit.num_tokens, hit.junction_tokens, hit.full_attention_tokens)
+
+
 class RankedOrder(AdmissionOrder):
     """An order by a per-candidate score (larger first, ties to the earlier candidate).
 
@@ -119,9 +125,13 @@ class RankedOrder(AdmissionOrder):
         self.num_probes = 0
 
     @abstractmethod
-    def score(self, request: SchedRequest, hit_tokens: int) -> float:
-        """Larger is admitted first; ``hit_tokens`` is the (cached) usable hit when the
-        order probes, else 0."""
+    def score(self, request: SchedRequest, hit: PrefixHit | None) -> float:
+        """Larger is admitted first; ``hit`` is the (cached) usable hit when the order
+        probes, else ``None``."""
+
+    def ceiling(self, request: SchedRequest) -> float:
+        """The largest score any hit could give ``request`` (probing orders)."""
+        return float("inf")
 
     def _probe(self, request: SchedRequest, probe: Probe, version: tuple[int, int],
                ) -> PrefixHit:
@@ -130,24 +140,40 @@ class RankedOrder(AdmissionOrder):
         self._cached[request.req_id] = (version, hit)
         return hit
 
-    def _current_tokens(self, request: SchedRequest, probe: Probe,
-                        version: tuple[int, int]) -> int:
-        """The cached hit, looked up again if it may have grown since."""
-        entry = self._cached.get(request.req_id)
-        if entry is None or (entry[0][1] != version[1]
-                             and probe.may_extend(request, entry[1].num_tokens)):
-            return self._probe(request, probe, version).num_tokens
-        return entry[1].num_tokens
+    def _rank(self, candidates: Sequence[SchedRequest], probe: Probe,
+              version: tuple[int, int]) -> list[tuple[float, int]]:
+        """(-score, index) of every candidate, best first. New candidates are probed; a
+        cached one is probed again only if blocks were cached since, ``may_extend`` says
+        they can lengthen its hit, and its prompt is long enough that a longer hit could
+        beat the best score already known."""
+        if not self.probes:
+            return sorted((-self.score(r, None), i) for i, r in enumerate(candidates))
+        cached = self._cached
+        hits: list[PrefixHit] = []
+        stale: list[int] = []
+        for index, request in enumerate(candidates):
+            entry = cached.get(request.req_id)
+            if entry is None:
+                hits.append(self._probe(request, probe, version))
+                continue
+            hits.append(entry[1])
+            if entry[0][1] != version[1]:
+                stale.append(index)
+        scores = [self.score(r, h) for r, h in zip(candidates, hits, strict=True)]
+        best = max(scores)
+        for index in stale:
+            request, hit = candidates[index], hits[index]
+            if self.ceiling(request) > best and \
+                    probe.may_extend(request, hit.num_tokens, _matched_tokens(hit)):
+                scores[index] = self.score(request, self._probe(request, probe, version))
+        return sorted((-score, i) for i, score in enumerate(scores))
 
     def choose(self, candidates: Sequence[SchedRequest], probe: Probe,
                ) -> tuple[SchedRequest, PrefixHit | None]:
         version = probe.version
         if candidates is not self._candidates:
             self._candidates = candidates
-            self._ranked = sorted(
-                (-self.score(r, self._current_tokens(r, probe, version) if self.probes
-                             else 0), i)
-                for i, r in enumerate(candidates))
+            self._ranked = self._rank(candidates, probe, version)
         ranked = self._ranked
         if not self.probes:
             return candidates[ranked[0][1]], None
@@ -158,7 +184,7 @@ class RankedOrder(AdmissionOrder):
             if probed_at == version:  # exact now: it beats every cached runner-up
                 return request, hit
             hit = self._probe(request, probe, version)
-            entry = (-self.score(request, hit.num_tokens), index)
+            entry = (-self.score(request, hit), index)
             if len(ranked) == 1 or entry <= ranked[1]:
                 ranked[0] = entry
                 return request, hit
@@ -192,8 +218,48 @@ class LongestHitOrder(RankedOrder):
     name = "hit"
     probes = True
 
-    def score(self, request: SchedRequest, hit_tokens: int) -> float:
-        return float(hit_tokens)
+    def score(self, request: SchedRequest, hit: PrefixHit | None) -> float:
+        return float(hit.num_tokens) if hit is not None else 0.0
+
+    def ceiling(self, request: SchedRequest) -> float:
+        return float(len(request.prompt_token_ids) - 1)
+
+
+class AtRiskHitOrder(LongestHitOrder):
+    """Longest usable hit *that would otherwise be lost* first, then longest hit.
+
+    A hit whose blocks a running request holds cannot be evicted while it runs: that
+    candidate loses nothing by waiting. A hit on free (cached, unreferenced) blocks is
+    at risk: the next allocations may evict it. So candidates whose hit ends on a free
+    block (in any group: a usable hit needs every group) rank first, by hit length; then
+    the others, by hit length. The check reads only the last block of each group's hit
+    table (a chain is freed and evicted tail first).
+
+    >>> from types import SimpleNamespace as NS
+    >>> held, free = NS(is_null=False, ref_count=1), NS(is_null=False, ref_count=0)
+    >>> order = AtRiskHitOrder()
+    >>> r = NS(prompt_token_ids=range(1000))
+    >>> safe = order.score(r, NS(num_tokens=512, blocks=((held,), (held,))))
+    >>> risky = order.score(r, NS(num_tokens=256, blocks=((held,), (free,))))
+    >>> risky > safe > order.score(r, NS(num_tokens=256, blocks=((held,), (held,))))
+    True
+    """
+
+    name = "warm"
+
+    RISK_WEIGHT = float(1 << 32)
+    """Lexicographic weight: any at-risk hit outranks every held one (tokens < 2^32)."""
+
+    def score(self, request: SchedRequest, hit: PrefixHit | None) -> float:
+        if hit is None or not hit.num_tokens:
+            return 0.0
+        at_risk = any(table and not table[-1].is_null and table[-1].ref_count == 0
+                      for table in hit.blocks)
+        return (self.RISK_WEIGHT + 1.0) * hit.num_tokens if at_risk else \
+            float(hit.num_tokens)
+
+    def ceiling(self, request: SchedRequest) -> float:
+        return (self.RISK_WEIGHT + 1.0) * (len(request.prompt_token_ids) - 1)
 
 
 class SessionOrder(RankedOrder):
@@ -214,7 +280,7 @@ class SessionOrder(RankedOrder):
         super().__init__()
         self._finished_step: dict[str, int] = {}
 
-    def score(self, request: SchedRequest, hit_tokens: int) -> float:
+    def score(self, request: SchedRequest, hit: PrefixHit | None) -> float:
         session = request.session_id
         return float("-inf") if session is None else \
             float(self._finished_step.get(session, -1))
@@ -271,6 +337,7 @@ ORDERS: dict[str, type[AdmissionOrder]] = {
     FirstComeOrder.name: FirstComeOrder,
     LongestHitOrder.name: LongestHitOrder,
     SessionOrder.name: SessionOrder,
+    AtRiskHitOrder.name: AtRiskHitOrder,
 }
 
 

@@ -127,8 +127,10 @@ class Scheduler:
         self._candidates: list[SchedRequest] = []
         self._candidates_version = -1
         self.seconds = 0.0
-        """Wall time inside ``schedule`` and ``update`` (manager calls and prompt hashing
-        included)."""
+        """CPU time (``time.process_time``: machine load does not inflate it) inside
+        ``schedule`` and ``update``, manager calls included, request registration (prompt
+        hashing) excluded: the manager + scheduler cost of an admission order."""
+        self._registration_seconds = 0.0
 
     def add_request(self, request: SchedRequest) -> None:
         """Queue a request (registered with the cache manager when first admitted)."""
@@ -153,11 +155,13 @@ class Scheduler:
     # ------------------------------------------------------------------ step
     def schedule(self) -> StepPlan:
         """Plan one step: allocations for running requests, then admissions."""
-        started = time.perf_counter()
+        started = time.process_time()
+        registration = self._registration_seconds
         try:
             return self._schedule()
         finally:
-            self.seconds += time.perf_counter() - started
+            self.seconds += time.process_time() - started - (
+                self._registration_seconds - registration)
 
     def _schedule(self) -> StepPlan:
         self.num_steps += 1
@@ -219,20 +223,21 @@ class Scheduler:
     def _register(self, request: SchedRequest) -> None:
         req_id = request.req_id
         if req_id not in self._registered:
+            started = time.process_time()
             prompt = request.prompt_token_ids
             hashes = None if request.hash_prompt is None else request.hash_prompt(prompt)
             self.manager.add_request(req_id, prompt, session_id=request.session_id,
                                      block_hashes=hashes)
             self._registered.add(req_id)
+            self._registration_seconds += time.process_time() - started
 
     # The ``admission.Probe`` an order asks about candidates (the manager's public lookup).
     def hit(self, request: SchedRequest) -> PrefixHit:
         self._register(request)
         return self.manager.find_longest_hit(request.req_id)
 
-    def may_extend(self, request: SchedRequest, num_tokens: int) -> bool:
-        self._register(request)
-        return self.manager.may_extend(request.req_id, num_tokens)
+    def may_extend(self, request: SchedRequest, num_tokens: int, matched_tokens: int) -> bool:
+        return self.manager.may_extend(request.req_id, num_tokens, matched_tokens)
 
     @property
     def version(self) -> tuple[int, int]:
@@ -365,11 +370,11 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[str]:
         """Record sampled tokens of the step's sampling chunks; finish and free requests
         that reached ``max_output_tokens``. Returns the finished request ids."""
-        started = time.perf_counter()
+        started = time.process_time()
         try:
             return self._update(plan, sampled)
         finally:
-            self.seconds += time.perf_counter() - started
+            self.seconds += time.process_time() - started
 
     def _update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[str]:
         finished: list[str] = []
