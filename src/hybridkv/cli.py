@@ -1,18 +1,28 @@
 """The ``hybridkv`` command line: replay, sweep, check-trace, verify.
 
-Exit codes: 0 success; 2 bad input (one line on stderr, from a ``HybridKVError``);
-1 anything else (a bug: its traceback is kept).
+Exit codes: 0 success; 1 ``verify`` found a divergence, or a bug (its traceback is kept);
+2 bad input: a ``HybridKVError`` or a bad option, as one line on stderr naming what was
+typed and the fix; 130 Ctrl-C (SIGINT) and 143 SIGTERM, each with one line on stderr,
+``--jobs`` workers terminated and no output file written (outputs are staged and renamed
+into place only at the end: ``hybridkv.sim.outputs``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
 from rich.console import Console
 
+from hybridkv.argtypes import non_empty_str, positive_int
 from hybridkv.errors import ConfigError, HybridKVError
 from hybridkv.policies import CORE_POLICIES
 from hybridkv.sim.admission import ORDERS
@@ -25,20 +35,51 @@ from hybridkv.sim.commands import (
 )
 from hybridkv.sim.report import REPORT_HELP
 
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT, what shells report for a Ctrl-C."""
+EXIT_TERMINATED = 143
+"""128 + SIGTERM."""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (raised by the CLI's handler, so ``finally`` blocks run)."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """``argparse`` whose errors are one line on stderr (no usage block), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hybridkv")
+    except PackageNotFoundError:  # pragma: no cover - running from a bare source tree
+        return "unknown"
+
 
 def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--trace", help="trace file or directory (Mooncake, WEKA, RAGPulse, native)")
-    group.add_argument("--workload", help="synthetic workload: retention-microbench, agentic, "
+    group.add_argument("--trace", type=non_empty_str,
+                       help="trace file or directory (Mooncake, WEKA, RAGPulse, native)")
+    group.add_argument("--workload", type=non_empty_str,
+                       help="synthetic workload: retention-microbench, agentic, "
                        f"aba, shared-prefix (default: {DEFAULT_WORKLOAD})")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="workload parameter (repeatable), e.g. --set num_sessions=8")
-    parser.add_argument("--model", default=None,
+                        help="workload parameter (repeatable), e.g. --set num_sessions=8 "
+                        "or --set fractions=0.1,0.5")
+    parser.add_argument("--model", type=non_empty_str, default=None,
                         help=f"preset name or a .toml path (default: {DEFAULT_MODEL})")
-    parser.add_argument("--limit", type=int, default=None, help="first N requests only")
-    parser.add_argument("--max-running", type=int, default=None,
+    parser.add_argument("--limit", type=positive_int, default=None,
+                        help="first N requests only")
+    parser.add_argument("--max-running", type=positive_int, default=None,
                         help="concurrent requests (default 16, or the workload's own)")
-    parser.add_argument("--chunk-size", type=int, default=None,
+    parser.add_argument("--chunk-size", type=positive_int, default=None,
                         help="token budget per step (default 8192)")
     parser.add_argument("--hash-algo", choices=("sha256", "xxhash"), default="sha256")
     parser.add_argument("--eagle", action="store_true", help="EAGLE/MTP (lookahead block hashes)")
@@ -50,16 +91,21 @@ def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_pool_arguments(parser: argparse.ArgumentParser, *, many: bool) -> None:
     pool = parser.add_mutually_exclusive_group()
     if many:
-        pool.add_argument("--num-blocks", help="comma-separated pool sizes in blocks")
-        pool.add_argument("--kv-memory", help="comma-separated KV memory sizes, e.g. 8GiB,16GiB")
+        pool.add_argument("--num-blocks", type=non_empty_str,
+                          help="comma-separated pool sizes in blocks")
+        pool.add_argument("--kv-memory", type=non_empty_str,
+                          help="comma-separated KV memory sizes, e.g. 8GiB,16GiB")
     else:
-        pool.add_argument("--num-blocks", type=int, help="pool size in blocks (null included)")
-        pool.add_argument("--kv-memory", help="KV memory, e.g. 40GiB (converted to blocks)")
+        pool.add_argument("--num-blocks", type=positive_int,
+                          help="pool size in blocks (null included)")
+        pool.add_argument("--kv-memory", type=non_empty_str,
+                          help="KV memory, e.g. 40GiB (converted to blocks)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="hybridkv", description="Prefix-cache replay and verification for hybrid models")
+    parser.add_argument("--version", action="version", version=f"hybridkv {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     replay = sub.add_parser("replay", help="replay a trace or workload under retention policies",
@@ -67,35 +113,36 @@ def build_parser() -> argparse.ArgumentParser:
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_source_arguments(replay)
     _add_pool_arguments(replay, many=False)
-    replay.add_argument("--policy", default="core",
+    replay.add_argument("--policy", default="core", type=non_empty_str,
                         help="comma-separated policies, or 'core' (default): "
                         + ",".join(CORE_POLICIES))
-    replay.add_argument("--json", type=Path, help="write the report as JSON")
-    replay.add_argument("--plot", type=Path, help="write a PNG plot")
+    replay.add_argument("--json", type=_path, help="write the report as JSON")
+    replay.add_argument("--plot", type=_path,
+                        help="write a plot (.png, .pdf, .svg, … by the extension)")
     replay.add_argument("--paranoid", action="store_true",
                         help="check every invariant after every step (slow)")
     replay.add_argument("--quiet", action="store_true", help="no progress bar")
-    replay.add_argument("--jobs", type=int, default=1,
+    replay.add_argument("--jobs", type=positive_int, default=1,
                         help="replay policies in this many processes (default 1)")
 
     sweep = sub.add_parser("sweep", help="pool sizes × policies → CSV and PNG")
     _add_source_arguments(sweep)
     _add_pool_arguments(sweep, many=True)
-    sweep.add_argument("--policy", default="core")
-    sweep.add_argument("--csv", type=Path, default=Path("sweep.csv"))
-    sweep.add_argument("--plot", type=Path, default=Path("sweep.png"))
+    sweep.add_argument("--policy", default="core", type=non_empty_str)
+    sweep.add_argument("--csv", type=_path, default=Path("sweep.csv"))
+    sweep.add_argument("--plot", type=_path, default=Path("sweep.png"))
     sweep.add_argument("--quiet", action="store_true")
 
     check = sub.add_parser("check-trace", help="validate a trace and print its statistics")
-    check.add_argument("path")
-    check.add_argument("--model", default=None)
-    check.add_argument("--limit", type=int, default=None)
+    check.add_argument("path", type=non_empty_str)
+    check.add_argument("--model", type=non_empty_str, default=None)
+    check.add_argument("--limit", type=positive_int, default=None)
 
     _add_verify_parser(sub)
     return parser
 
 
-def _add_verify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_verify_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     verify = sub.add_parser("verify", help="prove cache hits exact on the reference engine")
     try:
         from hybridkv.engine.verify import add_verify_arguments
@@ -105,31 +152,78 @@ def _add_verify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     add_verify_arguments(verify)
 
 
+def _path(text: str) -> Path:
+    """An output path; an empty one is an error (``Path("")`` would be the current
+    directory)."""
+    if text.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"{text!r} ends in '/': name a file, not a directory")
+    return Path(non_empty_str(text))
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While the command runs, SIGTERM raises ``Terminated`` in the main thread (so staged
+    outputs are removed and a ``--jobs`` pool is terminated on the way out)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        del signum, frame
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    console = Console()
-    if not console.is_terminal:  # pipes and files: wide enough that tables never wrap
-        console = Console(width=160)
-    err_console = Console(stderr=True)
-    commands: dict[str, Callable[[argparse.Namespace, Console, Console], int]] = {
-        "replay": cmd_replay, "sweep": cmd_sweep, "check-trace": cmd_check_trace,
-        "verify": _cmd_verify,
-    }
+    name = "hybridkv"
     try:
-        return commands[args.command](args, console, err_console)
+        with _sigterm_raises():
+            args = parser.parse_args(argv)
+            name = f"hybridkv {args.command}"
+            console = Console()
+            if not console.is_terminal:  # pipes and files: wide enough that tables never wrap
+                console = Console(width=160)
+            err_console = Console(stderr=True)
+            commands: dict[str, Callable[[argparse.Namespace, Console, Console], int]] = {
+                "replay": cmd_replay, "sweep": cmd_sweep, "check-trace": cmd_check_trace,
+                "verify": _cmd_verify,
+            }
+            return commands[args.command](args, console, err_console)
     except HybridKVError as err:
-        print(f"hybridkv {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        print(f"{name}: error: {_one_line(str(err))}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted (Ctrl-C); no output written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Terminated:
+        print(f"{name}: terminated (SIGTERM); no output written", file=sys.stderr)
+        return EXIT_TERMINATED
+    except BrokenPipeError:  # stdout closed early (| head): nothing left to say
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - flushed at exit, never closed
+        return 1
 
 
 def _cmd_verify(args: argparse.Namespace, console: Console, err_console: Console) -> int:
     if getattr(args, "engine_missing", False):
-        raise ConfigError("verify", "torch",
-                          "install the engine extra: pip install 'hybridkv[engine]'")
+        raise ConfigError("verify", "torch", "install the engine extra; from a checkout: "
+                          "pip install -e '.[engine]' (or pip install torch safetensors)")
     from hybridkv.engine.verify import cmd_verify
 
     return int(cmd_verify(args))
 
 
 __all__ = ["build_parser", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,6 +11,8 @@
     │   ├── DoubleFreeError(RequestError)               free of a request that holds no blocks
     │   └── StaleHitError(RequestError)                 a PrefixHit used after the cache changed
     ├── CapacityError(HybridKVError)                    caller ignored a ``None`` from allocate
+    ├── PoolTooSmallError(HybridKVError)                a request can never fit the pool
+    ├── OutputPathError(HybridKVError)                  an output file cannot be written
     ├── InvariantViolation(HybridKVError, AssertionError) internal bug, with a state summary
     └── EquivalenceError(HybridKVError, AssertionError) engine outputs diverged
 
@@ -101,6 +103,40 @@ class StaleHitError(RequestError):
 
 class CapacityError(HybridKVError):
     """The pool ran out of blocks where the caller had promised it would not."""
+
+
+class PoolTooSmallError(HybridKVError):
+    """A request needs more blocks than the whole pool holds, so a replay cannot progress.
+
+    >>> str(PoolTooSmallError("r7", 4096, 257, 100, "--num-blocks"))
+    "request 'r7' (4096 tokens) needs at least 257 blocks but the pool holds 100 (99 usable); \
+raise --num-blocks (or --kv-memory) to at least 258"
+    """
+
+    def __init__(self, req_id: str, num_tokens: int, blocks_needed: int, num_blocks: int,
+                 flag: str = "--num-blocks") -> None:
+        self.req_id = req_id
+        self.num_tokens = num_tokens
+        self.blocks_needed = blocks_needed
+        self.num_blocks = num_blocks
+        super().__init__(
+            f"request {req_id!r} ({num_tokens} tokens) needs at least {blocks_needed} blocks "
+            f"but the pool holds {num_blocks} ({num_blocks - 1} usable); raise {flag} "
+            f"(or --kv-memory) to at least {blocks_needed + 1}")
+
+
+class OutputPathError(HybridKVError):
+    """An output path (``--json``, ``--plot``, ``--csv``) cannot be written.
+
+    >>> str(OutputPathError("--json", "out/r.json", "directory 'out' does not exist",
+    ...                     "create it first"))
+    "--json 'out/r.json': directory 'out' does not exist; create it first"
+    """
+
+    def __init__(self, flag: str, path: object, problem: str, fix: str) -> None:
+        self.flag = flag
+        self.path = str(path)
+        super().__init__(f"{flag} {self.path!r}: {problem}; {fix}")
 
 
 class InvariantViolation(HybridKVError, AssertionError):

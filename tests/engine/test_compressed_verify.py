@@ -215,3 +215,7 @@ def test_cli_verify_pattern_v4(capsys: pytest.CaptureFixture[str]) -> None:
     assert "('window', 'C4+indexer', 'C16', 'C4+indexer')" in out and "all identical" in out
     assert main(["verify", "--pattern", "v4", "--compressed-block-size", "24"]) == 2
     assert "must be a multiple of every compress ratio" in capsys.readouterr().err
+    assert main(["verify", "--pattern", "v4", "--hca-ratio", "1"]) == 2
+    assert "--hca-ratio must be an integer >= 2" in capsys.readouterr().err
+    assert main(["verify", "--pattern", "v4", "--index-topk", "-1"]) == 2
+    assert "--index-topk must be an integer >= 0" in capsys.readouterr().err

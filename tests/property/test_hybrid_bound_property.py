@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 from hybridkv import CacheConfig, ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
+from hybridkv.errors import PoolTooSmallError
 from hybridkv.managers import FullAttentionManager
 from hybridkv.sim.replay import ReplaySettings, RunResult, attach_bounds, replay
 from hybridkv.sim.trace import Trace, TraceRequest
@@ -63,7 +64,7 @@ def run(case: Case, policy: str) -> tuple[RunResult, CacheConfig] | None:
         result = replay(case.trace, config, policy,
                         ReplaySettings(max_running=case.max_running, chunk_size=case.chunk_size,
                                        check_invariants=True))
-    except RuntimeError:  # the pool cannot hold the next request at all: no replay
+    except PoolTooSmallError:  # the pool cannot hold the next request at all: no replay
         return None
     return result, config
 

@@ -209,10 +209,14 @@ class PagedRows:
         self.layers = tuple(layers)
         self.location: dict[int, tuple[int, int]] = {}
         for group in config.groups:
-            for slot, cache_layer in enumerate(group.layer_ids):
+            # block-outermost packed groups list a spec per member (``hybridkv.packing``)
+            member_specs = getattr(group, "layer_specs", ()) or (group.spec,) * len(
+                group.layer_ids)
+            for slot, (cache_layer, spec) in enumerate(zip(group.layer_ids, member_specs,
+                                                           strict=True)):
                 self.location[cache_layer] = (group.group_id, slot)
-                if group.spec != self.layers[cache_layer].spec:
-                    raise ConfigError("cache_config", group.spec,
+                if spec != self.layers[cache_layer].spec:
+                    raise ConfigError("cache_config", spec,
                                       f"cache layer {cache_layer} has spec "
                                       f"{self.layers[cache_layer].spec}")
         if sorted(self.location) != list(range(len(self.layers))):
@@ -503,6 +507,12 @@ def v4_verify_setup(base: ModelConfig, *, window_block_size: int, hca_ratio: int
     if attention != "reference":
         raise ConfigError("attention", attention,
                           "--pattern v4 runs the reference attention path only")
+    if isinstance(hca_ratio, bool) or not isinstance(hca_ratio, int) or hca_ratio < 2:
+        raise ConfigError("hca_ratio", hca_ratio, "--hca-ratio must be an integer >= 2 "
+                          "(tokens per compressed entry)")
+    if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 0:
+        raise ConfigError("index_topk", index_topk,
+                          "--index-topk must be an integer >= 0 (0: no indexer)")
     shape = CompressedModelConfig(base, v4_ratios(base.num_layers, hca_ratio=hca_ratio),
                                   index_heads=base.num_heads, index_head_dim=base.head_dim,
                                   index_topk=index_topk)

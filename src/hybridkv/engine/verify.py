@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeAlias
 
+from hybridkv.argtypes import non_empty_str, non_negative_float, non_negative_int, positive_int
 from hybridkv.errors import ConfigError, EquivalenceError
-from hybridkv.policies import CORE_POLICIES
+from hybridkv.policies import CORE_POLICIES, make_retention_policy, split_policy_name
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -204,34 +206,34 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=sorted(ENGINE_WORKLOADS), default="all",
                         help="synthetic workload with shared prefixes (default: all = "
                              "mixed, then bridges)")
-    parser.add_argument("--policy", default=",".join(DEFAULT_POLICIES),
+    parser.add_argument("--policy", default=",".join(DEFAULT_POLICIES), type=non_empty_str,
                         help="retention policies, comma separated "
                              f"(default: {','.join(DEFAULT_POLICIES)}; 'core' = "
                              f"{','.join(CORE_POLICIES)})")
     parser.add_argument("--eagle", action="store_true",
                         help="also run every policy in EAGLE drop mode")
-    parser.add_argument("--num-blocks", type=int, default=256,
+    parser.add_argument("--num-blocks", type=positive_int, default=256,
                         help="pool size incl. the null block (small values force preemption)")
-    parser.add_argument("--block-size", type=int, default=8)
-    parser.add_argument("--full-block-size", type=int, default=None,
+    parser.add_argument("--block-size", type=positive_int, default=8)
+    parser.add_argument("--full-block-size", type=positive_int, default=None,
                         help="block size of full-attention layers (default: --block-size)")
-    parser.add_argument("--chunk-size", type=int, default=32,
+    parser.add_argument("--chunk-size", type=positive_int, default=32,
                         help="scheduler token budget per step")
-    parser.add_argument("--max-running", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0, help="model and workload seed")
+    parser.add_argument("--max-running", type=positive_int, default=4)
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and workload seed")
     parser.add_argument("--pattern", choices=PATTERNS, default="gemma3",
                         help="layer pattern: gemma3 (5 local : 1 global), alternating "
                              "(gpt-oss), llama4 (chunked-local : global), mixed (all kinds), "
                              "v4 (DeepSeek-V4-shaped: every layer a window, compressed "
                              "C4 / C-hca layers after the first)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=32)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=97)
-    parser.add_argument("--window", type=int, default=12, help="sliding window (tokens)")
-    parser.add_argument("--attention-chunk", type=int, default=16,
+    parser.add_argument("--layers", type=positive_int, default=4)
+    parser.add_argument("--hidden", type=positive_int, default=32)
+    parser.add_argument("--heads", type=positive_int, default=4)
+    parser.add_argument("--kv-heads", type=positive_int, default=2)
+    parser.add_argument("--head-dim", type=positive_int, default=8)
+    parser.add_argument("--vocab", type=positive_int, default=97)
+    parser.add_argument("--window", type=positive_int, default=12, help="sliding window (tokens)")
+    parser.add_argument("--attention-chunk", type=positive_int, default=16,
                         help="chunk of chunked-local layers (tokens)")
     parser.add_argument("--hca-ratio", type=int, default=16,
                         help="--pattern v4: tokens per entry of the non-overlapping "
@@ -243,7 +245,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                              "query (0: no indexer, read every completed entry)")
     parser.add_argument("--attention", choices=("reference", "sdpa"), default="reference",
                         help="attention path (reference: explicit masks)")
-    parser.add_argument("--atol", type=float, default=DEFAULT_ATOL,
+    parser.add_argument("--atol", type=non_negative_float, default=DEFAULT_ATOL,
                         help="max allowed |logit difference| (float64)")
 
 
@@ -254,9 +256,13 @@ def _policies(text: str) -> list[str]:
         if item == "core":
             names.extend(CORE_POLICIES)
         elif item:
+            try:
+                make_retention_policy(split_policy_name(item)[0])
+            except ConfigError as err:
+                raise ConfigError("--policy", item, err.fix) from err
             names.append(item)
     if not names:
-        raise ConfigError("policy", text, "name at least one policy")
+        raise ConfigError("--policy", text, "name at least one policy")
     return names
 
 
@@ -278,6 +284,26 @@ def _layer_types(pattern: str, num_layers: int) -> tuple[str, ...]:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Entry point of ``hybridkv verify``: 0 when every policy is identical, 1 otherwise."""
     try:
+        return _run_verify_command(args)
+    except ConfigError as err:  # name the option the user typed, not the internal field
+        raise ConfigError(_FLAG_FOR_FIELD.get(err.field, err.field), err.value,
+                          _FIELD_PATTERN.sub(lambda m: _FLAG_FOR_FIELD[m.group(0)], err.fix),
+                          ) from err
+
+
+_FLAG_FOR_FIELD = {
+    "num_kv_heads": "--kv-heads", "num_heads": "--heads", "num_blocks": "--num-blocks",
+    "alignment_tokens": "--block-size", "head_dim": "--head-dim", "hidden_size": "--hidden",
+    "vocab_size": "--vocab", "sliding_window": "--window", "block_size": "--block-size",
+    "attention_chunk_size": "--attention-chunk", "max_num_batched_tokens": "--chunk-size",
+    "chunk_size": "--chunk-size", "max_running": "--max-running",
+}
+"""Internal field → the ``verify`` option that sets it (for error messages)."""
+_FIELD_PATTERN = re.compile(r"\b(" + "|".join(_FLAG_FOR_FIELD) + r")\b")
+
+
+def _run_verify_command(args: argparse.Namespace) -> int:
+    try:
         import torch
 
         from hybridkv.engine.attention import reference_attention, sdpa_attention
@@ -285,8 +311,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         from hybridkv.engine.model_config import ModelConfig
         from hybridkv.engine.synthetic import make_engine_workload
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        print(f"hybridkv verify needs the engine extra (pip install 'hybridkv[engine]'): {exc}")
-        return 2
+        raise ConfigError("verify", "torch", "install the engine extra; from a checkout: "
+                          f"pip install -e '.[engine]' ({exc})") from exc
     torch.set_num_threads(1)  # test-sized matrices: threads cost more than they save
     kinds = _layer_types(args.pattern, args.layers)
     config = ModelConfig(

@@ -8,28 +8,48 @@ from __future__ import annotations
 
 import argparse
 import csv
+import difflib
 import multiprocessing
+import os
+import signal
 import statistics
+import sys
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hybridkv.config import CacheConfig
-from hybridkv.errors import ConfigError
+from hybridkv.errors import ConfigError, HybridKVError, PoolTooSmallError
 from hybridkv.eviction import parse_eviction
 from hybridkv.policies import CORE_POLICIES, make_retention_policy, split_policy_name
 from hybridkv.sim.admission import parse_admissions
 from hybridkv.sim.bound import offline_optimum
 from hybridkv.sim.ceiling import infinite_cache_ceiling
+from hybridkv.sim.limits import check_pool_fits
 from hybridkv.sim.loaders import load_trace
 from hybridkv.sim.model import ModelShape, load_model, num_blocks_for_memory, parse_size
+from hybridkv.sim.outputs import StagedOutputs, check_output_path
 from hybridkv.sim.replay import ProgressFn, ReplaySettings, RunResult, attach_bounds, replay
-from hybridkv.sim.report import PolicyRun, Report, plot_policies, plot_sweep, render_table
+from hybridkv.sim.report import (
+    PolicyRun,
+    Report,
+    plot_policies,
+    plot_sweep,
+    render_sweep_table,
+    render_table,
+)
 from hybridkv.sim.trace import Trace
-from hybridkv.sim.workloads import WORKLOAD_DEFAULTS, make_workload, retention_microbench_scenarios
+from hybridkv.sim.workloads import (
+    WORKLOAD_DEFAULTS,
+    make_workload,
+    retention_microbench_from_params,
+)
 
 DEFAULT_WORKLOAD = "agentic"
 DEFAULT_MODEL = "gemma3-bench"
@@ -55,6 +75,20 @@ class Source:
     workload: str | None
     scenarios: dict[str, Trace]
     protocol_defaults: dict[str, int]
+    params: dict[str, object] = field(default_factory=dict)
+    """The workload parameters given with ``--set`` (and the default run's)."""
+
+    def describe(self) -> str:
+        """One line for the report: the workload and its parameters, or the trace.
+
+        >>> Source("aba", "aba", {}, {}, {"prompt_tokens": "64"}).describe()
+        'workload aba (prompt_tokens=64)'
+        """
+        if self.workload is None:
+            trace = next(iter(self.scenarios.values()))
+            return f"trace {trace.source or trace.name} ({len(trace.requests):,} requests)"
+        params = ", ".join(f"{k}={v}" for k, v in self.params.items())
+        return f"workload {self.workload}" + (f" ({params})" if params else "")
 
     @property
     def is_multi_scenario(self) -> bool:
@@ -84,60 +118,86 @@ def all_policies(has_sessions: bool) -> list[str]:
 
 
 def parse_policies(text: str, has_sessions: bool = False) -> list[str]:
-    """``core``, ``all`` or a comma-separated list, each validated by name."""
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    if not names:
+    """``core``, ``all`` or a comma-separated list, each validated by name (a typo gets a
+    suggestion).
+
+    >>> parse_policies("latest,dense")
+    ['latest', 'dense']
+    >>> parse_policies("lastest")
+    Traceback (most recent call last):
+    ...
+    hybridkv.errors.ConfigError: --policy='lastest' is invalid: did you mean 'latest'? ...
+    """
+    names = [p.strip() for p in text.split(",")]
+    if not any(names):
         raise ConfigError("--policy", text, "name at least one policy, e.g. latest,prepend")
     expanded: list[str] = []
     for name in names:
+        if not name:
+            raise ConfigError("--policy", text, "has an empty name between commas")
         if name == "core":
             expanded.extend(CORE_POLICIES)
         elif name == "all":
             expanded.extend(all_policies(has_sessions))
         else:
-            retention, modifiers = split_policy_name(name)
-            make_retention_policy(retention)  # unknown names fail here, before any replay
-            parse_eviction([m for m in modifiers if m != "recompute"])
+            try:
+                retention, modifiers = split_policy_name(name)
+                make_retention_policy(retention)  # unknown names fail here, before any replay
+                parse_eviction([m for m in modifiers if m != "recompute"])
+            except ConfigError as err:
+                raise _policy_error(name, err) from err
             expanded.append(name)
     return list(dict.fromkeys(expanded))
 
 
+def _policy_error(name: str, err: ConfigError) -> ConfigError:
+    known = ["core", "all", *CORE_POLICIES, *all_policies(True)]
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ConfigError("--policy", name, f"{hint}{err.fix}")
+
+
 def parse_params(items: Sequence[str]) -> dict[str, object]:
-    """``KEY=VALUE`` pairs; values parsed as int, then float, else kept as strings."""
+    """``KEY=VALUE`` pairs, values kept as text: the workload converts each to its
+    parameter's type (``fractions=0.1,0.5`` → a tuple).
+
+    >>> parse_params(["num-sessions=8", "fractions=0.1,0.5"])
+    {'num_sessions': '8', 'fractions': '0.1,0.5'}
+    """
     params: dict[str, object] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError("--set", item, "use KEY=VALUE, e.g. --set num_sessions=8")
-        parsed: object = value
-        for convert in (int, float):
-            try:
-                parsed = convert(value)
-                break
-            except ValueError:
-                continue
-        params[key.strip().replace("-", "_")] = parsed
+        if not value.strip():
+            raise ConfigError("--set", item, f"give {key.strip()} a value, e.g. {key.strip()}=8")
+        name = key.strip().replace("-", "_")
+        if name in params:
+            raise ConfigError("--set", item, f"{name} is set twice")
+        params[name] = value.strip()
     return params
 
 
 def resolve_source(args: argparse.Namespace) -> Source:
     params = parse_params(args.set)
-    if args.trace:
+    if args.trace is not None:
         if params:
             raise ConfigError("--set", args.set, "workload parameters need --workload, not --trace")
         trace = load_trace(args.trace, limit=args.limit)
+        if not trace.requests:
+            raise ConfigError("--trace", args.trace, "holds no requests")
         return Source(trace.name, None, {"": trace}, {})
     name = args.workload or DEFAULT_WORKLOAD
     if args.workload is None:
         params = {**DEFAULT_WORKLOAD_PARAMS, **params}
     defaults = dict(WORKLOAD_DEFAULTS.get(name, {}))
     if name == MICROBENCH:
-        scenarios = retention_microbench_scenarios(**params)  # type: ignore[arg-type]
+        scenarios = retention_microbench_from_params(**params)
     else:
         scenarios = {"": make_workload(name, **params)}
     if args.limit is not None:
         scenarios = {k: Trace(t.name, t.requests[: args.limit]) for k, t in scenarios.items()}
-    return Source(name, name, scenarios, defaults)
+    return Source(name, name, scenarios, defaults, params)
 
 
 def _has_sessions(source: Source) -> bool:
@@ -146,27 +206,66 @@ def _has_sessions(source: Source) -> bool:
 
 def resolve_settings(args: argparse.Namespace, source: Source) -> ReplaySettings:
     defaults = source.protocol_defaults
-    max_running = args.max_running or defaults.get("max_running", 16)
-    chunk_size = args.chunk_size or defaults.get("chunk_size", 8192)
-    for field, value in (("--max-running", max_running), ("--chunk-size", chunk_size)):
+    max_running = (defaults.get("max_running", 16) if args.max_running is None
+                   else args.max_running)
+    chunk_size = defaults.get("chunk_size", 8192) if args.chunk_size is None else args.chunk_size
+    for flag, value in (("--max-running", max_running), ("--chunk-size", chunk_size)):
         if value <= 0:
-            raise ConfigError(field, value, "must be a positive integer")
+            raise ConfigError(flag, value, "must be a positive integer")
     return ReplaySettings(max_running=max_running, chunk_size=chunk_size,
                           check_invariants=bool(getattr(args, "paranoid", False)))
 
 
 def resolve_pool(num_blocks: int | None, kv_memory: str | None, shape: ModelShape,
-                 source: Source) -> int:
+                 source: Source, *, num_processes: int = 1) -> int:
+    """Pool size in blocks from ``--num-blocks`` or ``--kv-memory`` (or the protocol's or
+    the default), refused when it is below 2 blocks or its bookkeeping would not fit in
+    this host's available memory (``hybridkv.sim.limits``)."""
     if num_blocks is not None:
         if num_blocks < 2:
             raise ConfigError("--num-blocks", num_blocks, "must be >= 2 (block 0 is reserved)")
+        check_pool_fits(num_blocks, flag="--num-blocks", value=num_blocks,
+                        num_processes=num_processes)
         return num_blocks
     if kv_memory is None:
         protocol = PROTOCOL_POOLS.get((source.workload or "", shape.name))
         if protocol is not None:
             return protocol
         kv_memory = DEFAULT_KV_MEMORY
-    return num_blocks_for_memory(shape, parse_size(kv_memory))
+    try:
+        blocks = num_blocks_for_memory(shape, parse_size(kv_memory))
+    except ConfigError as err:
+        raise ConfigError("--kv-memory", kv_memory, err.fix) from err
+    check_pool_fits(blocks, flag="--kv-memory", value=kv_memory, num_processes=num_processes)
+    return blocks
+
+
+def check_pool_holds_requests(source: Source, config: CacheConfig) -> None:
+    """Raise ``PoolTooSmallError`` for the first request whose tokens (prompt and every
+    output token but the last) need more full-attention blocks than the pool holds: no
+    schedule can ever finish it. A lower bound (window and other groups need blocks too);
+    the replay itself catches the rest (``replay``'s no-progress check)."""
+    full = [g.spec.block_size for g in config.groups if g.spec.kind == "full_attention"]
+    if not full:
+        return
+    usable = config.num_blocks - 1
+    for trace in source.scenarios.values():
+        for request in trace.requests:
+            num_tokens = request.input_length + max(1, request.output_length) - 1
+            needed = sum(-(-num_tokens // block_size) for block_size in full)
+            if needed > usable:
+                raise PoolTooSmallError(request.request_id, num_tokens, needed,
+                                        config.num_blocks)
+
+
+def pool_summary(shape: ModelShape, config: CacheConfig) -> dict[str, object]:
+    """The pool as the report states it: blocks, token slots (blocks × tokens per block of
+    the first group) and bytes."""
+    block_size = config.groups[0].spec.block_size
+    bytes_per_block = shape.bytes_per_block
+    return {"num_blocks": config.num_blocks, "block_tokens": block_size,
+            "pool_token_slots": config.num_blocks * block_size,
+            "pool_bytes": config.num_blocks * bytes_per_block}
 
 
 def make_config(shape: ModelShape, num_blocks: int, args: argparse.Namespace,
@@ -236,6 +335,40 @@ def source_limits(source: Source, config: CacheConfig) -> Limits:
     return Limits(source_ceiling(source, config.alignment_tokens), None)
 
 
+PR_SET_PDEATHSIG = 1
+"""``prctl`` option: the signal a process gets when its parent dies (Linux)."""
+
+
+def _worker_init(parent_pid: int) -> None:
+    """Set up a ``--jobs`` worker: the parent alone handles Ctrl-C (it then terminates the
+    pool); SIGTERM kills the worker at once; the parent's death sends it SIGTERM
+    (``PR_SET_PDEATHSIG`` on Linux, else a thread polling the parent's pid)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if not _set_parent_death_signal():
+        threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
+        os._exit(1)
+
+
+def _set_parent_death_signal() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _exit_with_parent(parent_pid: int) -> None:  # pragma: no cover - non-Linux fallback
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 def _run_in_worker(task: Task) -> PolicyRun | Limits:
     assert _WORK is not None
     source, config, settings = _WORK
@@ -280,7 +413,10 @@ def run_policies(source: Source, config: CacheConfig, policies: Sequence[str],
     _WORK = (source, config, settings)
     try:
         context = multiprocessing.get_context("fork")
-        with _progress(show_progress) as progress, context.Pool(jobs) as pool:
+        # NOTE: leaving the with block (results, Ctrl-C, SIGTERM turned into an exception by
+        # the CLI) terminates the workers: Pool.__exit__ calls terminate()
+        with _progress(show_progress) as progress, context.Pool(
+                jobs, initializer=_worker_init, initargs=(os.getpid(),)) as pool:
             task = None if progress is None else progress.add_task(
                 f"{len(all_tasks)} replays on {jobs} processes", total=len(all_tasks) + 1)
             tasks = [*all_tasks, _LIMITS]
@@ -377,28 +513,37 @@ def source_ceiling(source: Source, alignment_tokens: int) -> float:
 
 
 def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console) -> int:
+    json_path = None if args.json is None else check_output_path("--json", args.json)
+    plot_path = None if args.plot is None else check_output_path("--plot", args.plot, plot=True)
     source = resolve_source(args)
-    shape = load_model(args.model or DEFAULT_MODEL)
+    shape = load_model(DEFAULT_MODEL if args.model is None else args.model)
     settings = resolve_settings(args, source)
-    num_blocks = resolve_pool(args.num_blocks, args.kv_memory, shape, source)
+    jobs = args.jobs
+    num_blocks = resolve_pool(args.num_blocks, args.kv_memory, shape, source,
+                              num_processes=jobs)
     config = make_config(shape, num_blocks, args, settings)
     policies = parse_policies(args.policy, _has_sessions(source))
     admissions = parse_admissions(args.admission)
     for policy in policies:
         make_retention_policy(split_policy_name(policy)[0]).validate(
             config.alignment_tokens, True)
-    limits, runs = run_policies(source, config, policies, settings, jobs=args.jobs,
+    check_pool_holds_requests(source, config)
+    limits, runs = run_policies(source, config, policies, settings, jobs=jobs,
                                 show_progress=not args.quiet, admissions=admissions)
     report = Report(source.name, shape.name, limits.ceiling, runs, {
-        "num_blocks": num_blocks, "max_running": settings.max_running,
+        **pool_summary(shape, config), "workload": source.describe(),
+        "max_running": settings.max_running,
         "chunk_size": settings.chunk_size, "hash_algo": args.hash_algo, "eagle": args.eagle,
     }, _max_rate([run.result.bound for run in runs]),
         _max_rate([run.result.bound_fa for run in runs]))
     render_table(report, console)
-    if args.json:
-        report.write_json(args.json)
-    if args.plot:
-        plot_policies(report, args.plot)
+    with StagedOutputs() as staged:
+        if json_path is not None:
+            staged.stage("--json", json_path, report.write_json)
+        if plot_path is not None:
+            staged.stage("--plot", plot_path, lambda tmp: plot_policies(
+                report, tmp, format=plot_path.suffix.lstrip(".").lower()))
+        staged.commit()
     del err_console
     return 0
 
@@ -410,64 +555,126 @@ def _max_rate(rates: Sequence[float | None]) -> float | None:
 
 
 def _parse_list(text: str, field: str) -> list[str]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
+    items = [t.strip() for t in text.split(",")]
+    if not any(items):
         raise ConfigError(field, text, "give a comma-separated list")
+    if not all(items):
+        raise ConfigError(field, text, "has an empty item between commas")
     return items
 
 
-def cmd_sweep(args: argparse.Namespace, console: Console, err_console: Console) -> int:
-    source = resolve_source(args)
-    shape = load_model(args.model or DEFAULT_MODEL)
-    settings = resolve_settings(args, source)
-    if args.num_blocks:
-        pools = []
+def _sweep_pools(args: argparse.Namespace, shape: ModelShape, source: Source) -> list[int]:
+    pools: list[int] = []
+    if args.num_blocks is not None:
         for item in _parse_list(args.num_blocks, "--num-blocks"):
-            try:
-                pools.append(resolve_pool(int(item), None, shape, source))
-            except ValueError:
-                raise ConfigError("--num-blocks", item, "must be an integer") from None
-    elif args.kv_memory:
+            if not item.isdigit() or len(item) > 30:
+                raise ConfigError("--num-blocks", item, "must be an integer >= 2")
+            pools.append(resolve_pool(int(item), None, shape, source))
+    elif args.kv_memory is not None:
         pools = [resolve_pool(None, m, shape, source)
                  for m in _parse_list(args.kv_memory, "--kv-memory")]
     else:
         raise ConfigError("--num-blocks", None, "a sweep needs --num-blocks or --kv-memory lists")
+    return pools
+
+
+@dataclass(slots=True)
+class SweepCell:
+    """One (pool size, policy) of a sweep: its CSV row, or why it could not run."""
+
+    num_blocks: int
+    policy: str
+    row: dict[str, object] | None = None
+    error: HybridKVError | None = None
+
+
+def cmd_sweep(args: argparse.Namespace, console: Console, err_console: Console) -> int:
+    """Replay every (pool size, policy) cell, then write the CSV and the plot of the
+    finished cells. A pool size too small for some request fails all its cells (reported
+    on stderr, exit 2) without stopping the other pool sizes; the finished cells are still
+    written. Nothing is written when no cell finished."""
+    csv_path = check_output_path("--csv", args.csv)
+    plot_path = check_output_path("--plot", args.plot, plot=True)
+    if csv_path.resolve() == plot_path.resolve():
+        raise ConfigError("--plot", str(args.plot), "is the same file as --csv")
+    source = resolve_source(args)
+    shape = load_model(DEFAULT_MODEL if args.model is None else args.model)
+    settings = resolve_settings(args, source)
+    pools = _sweep_pools(args, shape, source)
     policies = parse_policies(args.policy, _has_sessions(source))
     admissions = parse_admissions(args.admission)
-    rows: list[dict[str, object]] = []
+    cells: list[SweepCell] = []
     ceiling = 0.0
     with _progress(not args.quiet) as progress:
         for num_blocks in pools:
             config = make_config(shape, num_blocks, args, settings)
             ceiling = source_ceiling(source, config.alignment_tokens)
+            failure: HybridKVError | None = None
+            try:
+                check_pool_holds_requests(source, config)
+            except PoolTooSmallError as err:
+                failure = err
             for admission in admissions:
                 for policy in policies:
-                    result = run_policy(source, config, policy,
-                                        replace(settings, admission=admission),
-                                        progress).result
-                    rows.append({"policy": policy, "num_blocks": num_blocks,
-                                 "hit_rate": round(result.hit_rate, 6),
-                                 "hit_tokens": result.hit_tokens,
-                                 "prompt_tokens": result.prompt_tokens,
-                                 "preemptions": result.preemptions,
-                                 "admission": admission,
-                                 "wait_p50_steps": result.wait_p50_steps,
-                                 "wait_p99_steps": result.wait_p99_steps,
-                                 "wait_max_steps": result.wait_max_steps,
-                                 "ceiling": round(ceiling, 6)})
-    with args.csv.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot_sweep(rows, ceiling, f"{source.name} on {shape.name}", args.plot)
-    console.print(f"wrote {args.csv} and {args.plot} ({len(rows)} runs)")
+                    label = policy if len(admissions) == 1 else f"{policy} [{admission}]"
+                    cell = SweepCell(num_blocks, label, error=failure)
+                    cells.append(cell)
+                    if failure is not None:
+                        continue
+                    try:
+                        result = run_policy(source, config, policy,
+                                            replace(settings, admission=admission),
+                                            progress).result
+                    except PoolTooSmallError as err:
+                        cell.error = failure = err
+                        continue
+                    cell.row = {"policy": policy, "num_blocks": num_blocks,
+                                "hit_rate": round(result.hit_rate, 6),
+                                "hit_tokens": result.hit_tokens,
+                                "prompt_tokens": result.prompt_tokens,
+                                "preemptions": result.preemptions,
+                                "admission": admission,
+                                "wait_p50_steps": result.wait_p50_steps,
+                                "wait_p99_steps": result.wait_p99_steps,
+                                "wait_max_steps": result.wait_max_steps,
+                                "ceiling": round(ceiling, 6)}
+    rows = [cell.row for cell in cells if cell.row is not None]
+    render_sweep_table([(cell.policy, cell.num_blocks,
+                         None if cell.row is None else float(str(cell.row["hit_rate"])))
+                        for cell in cells], f"{source.name} on {shape.name}", console)
+    if rows:
+        with StagedOutputs() as staged:
+            staged.stage("--csv", csv_path, lambda tmp: _write_csv(rows, tmp))
+            staged.stage("--plot", plot_path, lambda tmp: plot_sweep(
+                rows, ceiling, f"{source.name} on {shape.name}", tmp,
+                format=plot_path.suffix.lstrip(".").lower()))
+            staged.commit()
+        console.print(f"wrote {csv_path} and {plot_path} ({len(rows)} runs)")
+    failed = [cell for cell in cells if cell.error is not None]
+    if failed:
+        pools_failed = sorted({cell.num_blocks for cell in failed})
+        kept = (f"the {len(rows)} finished cells are in {csv_path} and {plot_path}" if rows
+                else "no cell finished, nothing written")
+        raise SweepError(f"{len(failed)} of {len(cells)} cells failed (pool sizes "
+                         f"{', '.join(map(str, pools_failed))}): {failed[0].error}; {kept}")
     del err_console
     return 0
 
 
+class SweepError(HybridKVError):
+    """Some cells of a sweep could not run (the finished ones were written)."""
+
+
+def _write_csv(rows: Sequence[dict[str, object]], path: Path) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def cmd_check_trace(args: argparse.Namespace, console: Console, err_console: Console) -> int:
     trace = load_trace(args.path, limit=args.limit)
-    shape = load_model(args.model or DEFAULT_MODEL)
+    shape = load_model(DEFAULT_MODEL if args.model is None else args.model)
     alignment = shape.cache_config(2).alignment_tokens
     lengths = [r.input_length for r in trace.requests]
     if not lengths:

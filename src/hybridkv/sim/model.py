@@ -83,6 +83,16 @@ SIZE_UNITS: Final = {
 }
 _SIZE_PATTERN: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
+MAX_LAYERS: Final = 1024
+"""Most layers a shape may have (the largest presets have 126; a typo such as
+``count = 1000000000`` would otherwise build a billion-entry list)."""
+
+MAX_MODEL_FILE_BYTES: Final = 1 << 20
+"""Largest model TOML file read (1 MiB; presets are under 2 KiB)."""
+
+MAX_SIZE_CHARS: Final = 40
+"""Longest ``--kv-memory`` text parsed."""
+
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
@@ -136,6 +146,9 @@ def load_model(name_or_path: str | Path) -> ModelShape:
         ConfigError: unknown preset and no such file, invalid TOML, or an invalid field.
     """
     text = str(name_or_path)
+    if not text.strip():
+        raise ConfigError("model", text, f"is empty; name a preset ({', '.join(list_presets())})"
+                                         " or a .toml file")
     if text in list_presets():
         preset = resources.files("hybridkv.sim") / "presets" / (text + PRESET_SUFFIX)
         return parse_model(preset.read_text(encoding="utf-8"), source=f"preset {text}",
@@ -145,9 +158,13 @@ def load_model(name_or_path: str | Path) -> ModelShape:
         raise ConfigError("model", text, f"not a bundled preset ({', '.join(list_presets())}) "
                                          "and not an existing .toml file")
     try:
-        content = path.read_text(encoding="utf-8")
+        with path.open("r", encoding="utf-8") as stream:
+            content = stream.read(MAX_MODEL_FILE_BYTES + 1)
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError("model", text, f"cannot be read: {err}") from err
+    if len(content) > MAX_MODEL_FILE_BYTES:
+        raise ConfigError("model", text, f"is larger than {MAX_MODEL_FILE_BYTES:,} characters; "
+                                         "is it a model .toml file?")
     return parse_model(content, source=str(path), default_name=path.stem)
 
 
@@ -158,6 +175,11 @@ def parse_model(text: str, *, source: str = "<string>", default_name: str = "mod
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{source}: <toml>", "…", f"invalid TOML: {err}") from err
+    except RecursionError:
+        raise ConfigError(f"{source}: <toml>", "…", "nested too deeply") from None
+    except ValueError as err:  # an integer longer than sys.get_int_max_str_digits()
+        raise ConfigError(f"{source}: <toml>", "…",
+                          f"unreadable value: {str(err).split(':')[0]}") from err
     _reject_unknown(doc, _TOP_KEYS, source, "")
     defaults: dict[str, object] = {key: doc[key] for key in _KV_KEYS if key in doc}
     has_runs, has_pattern = "layers" in doc, "pattern" in doc
@@ -191,6 +213,9 @@ def _layers_from_runs(runs: object, defaults: dict[str, object], source: str,
             raise ConfigError(f"{source}: layers[{idx}]", run, "must be a table")
         _reject_unknown(run, _KIND_KEYS | {"count"}, source, where)
         count = _positive_int(run.get("count", 1), source, where + "count")
+        if len(layers) + count > MAX_LAYERS:
+            raise ConfigError(f"{source}: {where}count", count,
+                              f"the runs add up to more than {MAX_LAYERS} layers")
         spec = _spec(run, defaults, source, where)
         layers.extend([spec] * count)
     return layers
@@ -199,6 +224,8 @@ def _layers_from_runs(runs: object, defaults: dict[str, object], source: str,
 def _layers_from_pattern(doc: dict[str, object], defaults: dict[str, object], source: str,
                          ) -> list[LayerSpec]:
     num_layers = _positive_int(doc.get("num_layers"), source, "num_layers")
+    if num_layers > MAX_LAYERS:
+        raise ConfigError(f"{source}: num_layers", num_layers, f"at most {MAX_LAYERS} layers")
     pattern, kinds = doc["pattern"], doc.get("kinds")
     if not isinstance(pattern, list) or not pattern:
         raise ConfigError(f"{source}: pattern", pattern, "must be a non-empty array of names")
@@ -353,6 +380,9 @@ def parse_size(size: str | int) -> int:
         if size < 0:
             raise ConfigError("size", size, "must be >= 0 bytes")
         return size
+    if isinstance(size, str) and len(size) > MAX_SIZE_CHARS:
+        raise ConfigError("size", size[:MAX_SIZE_CHARS] + "…",
+                          f"longer than {MAX_SIZE_CHARS} characters; write e.g. '40GiB'")
     match = _SIZE_PATTERN.match(size) if isinstance(size, str) else None
     unit = match.group(2).upper() if match else ""
     if match is None or unit not in SIZE_UNITS:

@@ -16,6 +16,7 @@ from typing import overload
 
 from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
+from hybridkv.errors import HybridKVError, InvariantViolation, PoolTooSmallError
 from hybridkv.hashing import BlockHasher
 from hybridkv.ids import BlockHash
 from hybridkv.sim.bound import AdmissionLog, BoundShape, fa_optimum, hybrid_optimum
@@ -350,10 +351,7 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
     while scheduler.has_unfinished:
         plan = scheduler.schedule()
         if not plan.chunks:
-            raise RuntimeError(
-                f"replay of {trace.name!r} under {policy!r} made no progress at step "
-                f"{scheduler.num_steps} (pool of {config.num_blocks} blocks too small for the "
-                "next request?)")
+            raise no_progress_error(trace, policy, config, manager, scheduler, plan.preempted)
         sampled = {
             chunk.req_id: sampler.sample(scheduler.requests[chunk.req_id])
             for chunk in plan.chunks if chunk.samples
@@ -373,6 +371,30 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
     result.misses_by_tag = manager.misses_by_tag
     result.log = manager.log
     return result
+
+
+def no_progress_error(trace: Trace, policy: str, config: CacheConfig, manager: KVCacheManager,
+                      scheduler: Scheduler, preempted: Sequence[str]) -> HybridKVError:
+    """Why a step scheduled nothing: the one running request preempted itself (it cannot
+    grow inside the whole pool) or nothing runs and the next request cannot be admitted
+    into the empty pool; both mean the pool is too small for that request
+    (``PoolTooSmallError``). Anything else would be a scheduler bug."""
+    blocked = (scheduler.requests[preempted[-1]] if preempted
+               else scheduler._next_eligible())  # the request admission refused
+    usable = config.num_blocks - 1
+    if blocked is None or blocked.req_id not in manager.request_ids:
+        return InvariantViolation(f"replay of {trace.name!r} under {policy!r} made no "
+                                  f"progress at step {scheduler.num_steps} with no request "
+                                  "to blame")
+    num_tokens = manager.num_tokens(blocked.req_id)
+    need = manager.coordinator.num_blocks_to_allocate(
+        blocked.req_id, num_tokens, [()] * len(config.groups), 0, apply_admission_cap=True)
+    if need <= usable and not preempted:
+        return InvariantViolation(f"replay of {trace.name!r} under {policy!r} made no "
+                                  f"progress at step {scheduler.num_steps}: request "
+                                  f"{blocked.req_id!r} needs {need} of {usable} blocks")
+    return PoolTooSmallError(blocked.req_id, num_tokens, max(need, usable + 1),
+                             config.num_blocks)
 
 
 def attach_bounds(result: RunResult, trace: Trace, config: CacheConfig) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from hybridkv.sim.limits import format_bytes
 from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.replay import RunResult, TagTotals
 
@@ -143,6 +144,9 @@ def render_table(report: Report, console: Console) -> None:
                       f"{r.manager_seconds:.2f}", f"{r.scheduler_seconds:.2f}",
                       f"{r.wall_seconds:.2f}")
     console.print(table)
+    pool = pool_line(report.settings)
+    if pool:
+        console.print(pool)
     console.print(f"bound {_rate(report.bound)} (hybrid-aware), bound_fa "
                   f"{_rate(report.bound_fa)} (full-attention blocks only): offline optima "
                   "for each run's admission order; cold … admit: shares of the missed "
@@ -151,6 +155,40 @@ def render_table(report: Report, console: Console) -> None:
                   "manager + scheduler time.", style="dim")
     if any(run.fractions for run in report.runs):
         _render_fractions(report, console)
+
+
+def pool_line(settings: Mapping[str, object]) -> str:
+    """The report's line about the pool and the workload (empty when not known).
+
+    >>> pool_line({"num_blocks": 1025, "block_tokens": 16, "pool_token_slots": 16400,
+    ...            "pool_bytes": 1025 << 20, "workload": "workload aba"})
+    'pool 1,025 blocks × 16 tokens = 16,400 token slots, 1.0 GiB; workload aba'
+    """
+    if "pool_bytes" not in settings:
+        return ""
+    line = (f"pool {settings['num_blocks']:,} blocks × {settings['block_tokens']} tokens = "
+            f"{settings['pool_token_slots']:,} token slots, "
+            f"{format_bytes(float(str(settings['pool_bytes'])))}")
+    workload = settings.get("workload")
+    return f"{line}; {workload}" if workload else line
+
+
+def render_sweep_table(cells: Sequence[tuple[str, int, float | None]], title: str,
+                       console: Console) -> None:
+    """A sweep's hit rates: one row per policy, one column per pool size (blocks);
+    ``cells`` are ``(policy, num_blocks, hit rate or None when the cell failed)``."""
+    pools = list(dict.fromkeys(num_blocks for _, num_blocks, _ in cells))
+    console.print(f"{title}: hit rate by pool size (blocks)")
+    table = Table()
+    table.add_column("policy")
+    for num_blocks in pools:
+        table.add_column(f"{num_blocks:,}", justify="right")
+    rates = {(policy, num_blocks): rate for policy, num_blocks, rate in cells}
+    for policy in dict.fromkeys(policy for policy, _, _ in cells):
+        table.add_row(policy, *("failed" if rates[(policy, n)] is None
+                                else f"{100 * float(rates[(policy, n)] or 0.0):.2f}%"
+                                for n in pools))
+    console.print(table)
 
 
 def _render_fractions(report: Report, console: Console) -> None:
@@ -173,7 +211,7 @@ def _label(result: RunResult) -> str:
     return f"{result.policy} [{result.admission}]"
 
 
-def plot_policies(report: Report, path: Path) -> None:
+def plot_policies(report: Report, path: Path, *, format: str | None = None) -> None:
     """Bar chart of hit rate per policy with the ceiling (line per policy over fractions
     for the retention microbenchmark)."""
     import matplotlib
@@ -204,7 +242,7 @@ def plot_policies(report: Report, path: Path) -> None:
     ax.set_title(f"{report.trace} on {report.model}")
     plot_miss_causes(causes_ax, report.runs)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format=format)
     plt.close(fig)
 
 
@@ -231,7 +269,7 @@ def plot_miss_causes(ax: object, runs: Sequence[PolicyRun]) -> None:
 
 
 def plot_sweep(rows: Sequence[Mapping[str, object]], ceiling: float, title: str,
-               path: Path) -> None:
+               path: Path, *, format: str | None = None) -> None:
     """Hit rate versus pool size, one line per policy."""
     import matplotlib
 
@@ -253,5 +291,5 @@ def plot_sweep(rows: Sequence[Mapping[str, object]], ceiling: float, title: str,
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format=format)
     plt.close(fig)

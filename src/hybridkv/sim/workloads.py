@@ -17,6 +17,7 @@ below ``FILL_TOKEN_BASE`` (``2**50``). The same arguments always give the same t
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import random
 from collections.abc import Callable, Mapping
@@ -236,16 +237,39 @@ def make_workload(name: str, **params: object) -> Trace:
         ConfigError: unknown workload, unknown parameter, or a value the workload refuses.
     """
     if name not in WORKLOADS:
-        raise ConfigError("workload", name, f"choose one of {sorted(WORKLOADS)}")
-    signature = inspect.signature(WORKLOADS[name])
+        close = difflib.get_close_matches(name, list(WORKLOADS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError("workload", name, f"{hint}choose one of {sorted(WORKLOADS)}")
+    return WORKLOADS[name](**converted_params(name, WORKLOADS[name], params))
+
+
+def retention_microbench_from_params(**params: object) -> dict[str, Trace]:
+    """``retention_microbench_scenarios`` with ``params`` checked and converted like
+    ``make_workload``'s (``fractions="0.1,0.5"`` → ``(0.1, 0.5)``).
+
+    >>> sorted(retention_microbench_from_params(fractions="0.5,1", prompt_tokens="8",
+    ...                                         num_prompts="1"))
+    ['0.5', '1.0']
+    """
+    return retention_microbench_scenarios(**converted_params(  # type: ignore[arg-type]
+        "retention-microbench", retention_microbench_scenarios, params))
+
+
+def converted_params(name: str, function: Callable[..., object], params: Mapping[str, object],
+                     ) -> dict[str, object]:
+    """``params`` checked against ``function``'s keywords, strings converted to the type of
+    each keyword's default (an unknown key is a ``ConfigError`` with a suggestion)."""
+    signature = inspect.signature(function)
     converted: dict[str, object] = {}
     for key, value in params.items():
         if key not in signature.parameters:
-            raise ConfigError(key, value, f"workload {name!r} accepts only "
+            close = difflib.get_close_matches(key, list(signature.parameters), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(key, value, f"{hint}workload {name!r} accepts only "
                                           f"{sorted(signature.parameters)}")
         default = signature.parameters[key].default
         converted[key] = _convert(key, value, default) if isinstance(value, str) else value
-    return WORKLOADS[name](**converted)
+    return converted
 
 
 def _convert(key: str, text: str, default: object) -> object:
@@ -260,6 +284,8 @@ def _convert(key: str, text: str, default: object) -> object:
             return float(text)
         if isinstance(default, tuple):
             return tuple(float(part) for part in text.split(","))
+        if isinstance(default, str) and not text:
+            raise ValueError(text)
     except ValueError as err:
         raise ConfigError(key, text, f"must parse as {type(default).__name__}") from err
     return text

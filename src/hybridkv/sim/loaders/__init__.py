@@ -54,6 +54,9 @@ def load_trace(path: str | Path, *, limit: int | None = None,
     Raises:
         TraceFormatError: missing path, unknown format, or a malformed line.
     """
+    if not str(path).strip():  # Path("") would be the current directory
+        raise TraceFormatError(str(path), None, "path", "is empty; name a trace file or "
+                               "directory")
     trace_path = Path(path)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
                               or limit < 0):
@@ -64,17 +67,26 @@ def load_trace(path: str | Path, *, limit: int | None = None,
         raise TraceFormatError(str(trace_path), None, "format",
                                f"unknown format {chosen!r}; choose one of {sorted(LOADERS)}")
     require_existing(trace_path)
-    return LOADERS[chosen](trace_path, limit=limit)
+    try:
+        return LOADERS[chosen](trace_path, limit=limit)
+    except OSError as err:  # an unreadable file or directory inside the trace
+        raise TraceFormatError(err.filename or str(trace_path), None, "path",
+                               f"cannot be read ({err.strerror}); check its permissions",
+                               ) from err
 
 
 def detect_format(path: Path) -> TraceFormat:
     """Guess the format of ``path`` (see the module docstring's table)."""
     require_existing(path)
     if path.is_dir():
-        if is_ragpulse_dir(path):
-            return "ragpulse"
-        if any(is_weka_file(p) for p in path.iterdir()):
-            return "weka"
+        try:
+            if is_ragpulse_dir(path):
+                return "ragpulse"
+            if any(is_weka_file(p) for p in path.iterdir()):
+                return "weka"
+        except OSError as err:
+            raise TraceFormatError(str(path), None, "path", f"cannot be listed "
+                                   f"({err.strerror}); check its permissions") from err
         raise TraceFormatError(str(path), None, "path",
                                f"directory holds neither {TRACE_FILE_NAME} nor *.json(.gz) "
                                "conversation files")

@@ -13,15 +13,27 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import stat
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Final, TypeVar
 
 from hybridkv.errors import ConfigError, TraceFormatError
 
 JsonObject = dict[str, object]
 T = TypeVar("T")
+
+MAX_LINE_CHARS: Final = 64 << 20
+"""Longest JSONL line read (64 Mi characters: ~4 M explicit token ids, or a Mooncake line
+of 7 M blocks); a file without newlines (``/dev/zero`` behind a symlink, a binary) stops
+here instead of filling memory."""
+
+MAX_DOCUMENT_CHARS: Final = 512 << 20
+"""Largest whole-file JSON document, after decompression (512 Mi characters; the bundled
+WEKA conversations decompress to at most 3 MB): a gzip bomb stops here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +59,23 @@ def checked(where: Where, build: Callable[[], T]) -> T:
 
 
 def require_existing(path: Path) -> None:
-    """Raise ``TraceFormatError`` unless ``path`` exists."""
-    if not path.exists():
-        raise TraceFormatError(str(path), None, "path", "does not exist; check the trace path")
+    """Raise ``TraceFormatError`` unless ``path`` is an existing regular file or directory
+    (FIFOs, devices and sockets are refused: reading one may never end)."""
+    if not str(path).strip():
+        raise TraceFormatError(str(path), None, "path", "is empty; name a trace file or "
+                               "directory")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise TraceFormatError(str(path), None, "path",
+                               "does not exist; check the trace path") from None
+    except OSError as err:
+        raise TraceFormatError(str(path), None, "path",
+                               f"cannot be inspected ({err.strerror}); check its "
+                               "permissions") from err
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise TraceFormatError(str(path), None, "path", "is not a regular file or directory "
+                               "(a FIFO, device or socket); save the trace to a file first")
 
 
 def read_json_lines(path: Path, *, allow_empty: bool = False,
@@ -64,7 +90,13 @@ def read_json_lines(path: Path, *, allow_empty: bool = False,
     found = False
     try:
         with path.open("r", encoding="utf-8") as stream:
-            for line_number, text in enumerate(stream, start=1):
+            line_number = 0
+            while text := stream.readline(MAX_LINE_CHARS + 1):
+                line_number += 1
+                if len(text) > MAX_LINE_CHARS:
+                    raise TraceFormatError(str(path), line_number, "<line>",
+                                           f"longer than {MAX_LINE_CHARS:,} characters; is "
+                                           "this a JSONL trace?")
                 if not text.strip():
                     continue
                 found = True
@@ -89,11 +121,15 @@ def read_json_document(path: Path) -> JsonObject:
     try:
         if path.name.endswith(".gz"):
             with gzip.open(path, "rt", encoding="utf-8") as stream:
-                text = stream.read()
+                text = stream.read(MAX_DOCUMENT_CHARS + 1)
         else:
-            text = path.read_text(encoding="utf-8")
-    except (OSError, EOFError, UnicodeDecodeError) as err:
+            with path.open("r", encoding="utf-8") as stream:
+                text = stream.read(MAX_DOCUMENT_CHARS + 1)
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as err:
         raise where.error("file", f"cannot be read: {err}") from err
+    if len(text) > MAX_DOCUMENT_CHARS:
+        raise where.error("file", f"holds more than {MAX_DOCUMENT_CHARS:,} characters "
+                                  "(decompressed); split the conversation")
     if not text.strip():
         raise where.error("file", "is empty")
     return _parse_object(text, where)
@@ -104,6 +140,11 @@ def _parse_object(text: str, where: Where) -> JsonObject:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
         raise where.error("<json>", f"invalid JSON: {err.msg} at column {err.colno}") from err
+    except RecursionError:
+        raise where.error("<json>", "nested too deeply (arrays or objects inside each other "
+                                    "more than ~1,000 levels)") from None
+    except ValueError as err:  # an integer longer than sys.get_int_max_str_digits()
+        raise where.error("<json>", f"unreadable value: {str(err).split(':')[0]}") from err
     if not isinstance(obj, dict):
         raise where.error("<json>", f"must be a JSON object, got {type(obj).__name__}")
     return obj

@@ -1,0 +1,161 @@
+"""Output files of the CLI (``--json``, ``--plot``, ``--csv``): checked before a run starts,
+written atomically after it.
+
+``check_output_path`` refuses, before any replay, every path that cannot end up holding
+the file: a missing or non-directory parent, a path that is a directory or an existing
+non-regular file (``/dev/full``, a FIFO), a parent the process cannot create files in
+(permissions, read-only file system: probed by creating and removing a temporary file),
+and a plot extension matplotlib cannot write.
+
+``StagedOutputs`` writes each output to a temporary file in the destination's directory
+(same file system, so the final ``os.replace`` is atomic) and renames them all only in
+``commit``. Anything that goes wrong before or during the writes, including Ctrl-C,
+removes the temporary files: a failed run leaves neither a partial file nor a stray
+temporary one, and the destinations keep their old content.
+
+>>> import tempfile
+>>> folder = Path(tempfile.mkdtemp())
+>>> with StagedOutputs() as staged:
+...     staged.stage("--csv", folder / "a.csv", lambda tmp: tmp.write_text("x\\n"))
+...     staged.commit()
+>>> sorted(p.name for p in folder.iterdir())
+['a.csv']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from hybridkv.errors import OutputPathError
+
+_TEMP_PREFIX = ".hybridkv-"
+_TEMP_SUFFIX = ".tmp"
+
+
+def plot_formats() -> frozenset[str]:
+    """File extensions matplotlib can save to (``png``, ``pdf``, ``svg``, …)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return frozenset(FigureCanvasBase.get_supported_filetypes())
+
+
+def check_output_path(flag: str, path: Path | str, *, plot: bool = False) -> Path:
+    """Raise ``OutputPathError`` unless ``path`` can be written (atomically) by this process.
+
+    Args:
+        flag: the option that named the path (``--json``), for the message.
+        path: the destination.
+        plot: also require an extension matplotlib can save.
+    """
+    text = str(path)
+    if not text.strip():
+        raise OutputPathError(flag, text, "the path is empty", "name a file, e.g. out.json")
+    target = Path(text)
+    if text.endswith(os.sep) or target.is_dir():
+        raise OutputPathError(flag, text, "is a directory", "name a file inside it")
+    parent = target.parent
+    try:
+        if target.exists() and not stat.S_ISREG(target.stat().st_mode):
+            raise OutputPathError(flag, text, "exists and is not a regular file (a device, "
+                                  "FIFO or socket)", "write to a regular file")
+        if not parent.exists():
+            raise OutputPathError(flag, text, f"directory '{parent}' does not exist",
+                                  "create it first or choose another path")
+        if not parent.is_dir():
+            raise OutputPathError(flag, text, f"'{parent}' is not a directory",
+                                  "choose a path inside a directory")
+    except OSError as err:
+        raise OutputPathError(flag, text, f"cannot be inspected ({err.strerror})",
+                              "check the directory's permissions") from err
+    if plot:
+        formats = plot_formats()
+        extension = target.suffix.lower().lstrip(".")
+        if extension not in formats:
+            raise OutputPathError(
+                flag, text, f"extension '.{extension}' is not a plot format" if extension
+                else "has no extension", f"end it in one of .{', .'.join(sorted(formats))}")
+    _probe_writable(flag, target)
+    return target
+
+
+def _probe_writable(flag: str, target: Path) -> None:
+    """Create and remove a temporary file next to ``target`` (catches read-only file
+    systems and missing permissions, also for root, where ``os.access`` says yes)."""
+    try:
+        handle, name = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX,
+                                        dir=target.parent)
+    except OSError as err:
+        raise OutputPathError(flag, target, f"cannot create files in '{target.parent}' "
+                              f"({err.strerror})", "choose a writable directory") from err
+    os.close(handle)
+    os.unlink(name)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+class StagedOutputs:
+    """Outputs written to temporary files now and renamed into place together in
+    ``commit``; used as a context manager that removes whatever was not committed."""
+
+    def __init__(self) -> None:
+        self._staged: list[tuple[Path, Path]] = []
+        """(temporary file, destination) pairs, in staging order."""
+
+    def stage(self, flag: str, path: Path, write: Callable[[Path], object]) -> None:
+        """Call ``write(temporary_path)``; an ``OSError`` becomes ``OutputPathError``."""
+        try:
+            handle, name = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX,
+                                            dir=path.parent)
+        except OSError as err:
+            raise OutputPathError(flag, path, f"cannot create files in '{path.parent}' "
+                                  f"({err.strerror})", "choose a writable directory") from err
+        os.close(handle)
+        temporary = Path(name)
+        self._staged.append((temporary, path))
+        try:
+            os.chmod(temporary, 0o666 & ~_umask())  # mkstemp's 0600 → what open() would give
+            write(temporary)
+            with temporary.open("rb+") as stream:  # data on disk before the rename
+                os.fsync(stream.fileno())
+        except OSError as err:
+            raise OutputPathError(flag, path, f"writing failed ({err.strerror or err})",
+                                  "free disk space or choose another path") from err
+
+    def commit(self) -> None:
+        """Rename every staged file onto its destination."""
+        while self._staged:
+            temporary, destination = self._staged[0]
+            try:
+                os.replace(temporary, destination)
+            except OSError as err:
+                raise OutputPathError(str(destination), destination,
+                                      f"renaming failed ({err.strerror})",
+                                      "choose another path") from err
+            self._staged.pop(0)
+
+    def discard(self) -> None:
+        """Remove every staged, uncommitted temporary file."""
+        for temporary, _ in self._staged:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+        self._staged.clear()
+
+    def __enter__(self) -> StagedOutputs:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.discard()
+
+
+__all__ = ["StagedOutputs", "check_output_path", "plot_formats"]
