@@ -238,6 +238,13 @@ class VllmManager:
         self.kv.new_step_starts()
         self.manager_seconds += time.perf_counter() - started
 
+    def align_prefill_chunk(self, req_id: str, num_new_tokens: int, hit: object = None, *,
+                            max_chunk_tokens: int | None = None) -> int:
+        """The scheduler's chunk clipping hook: attention-only models keep the chunk
+        (vLLM clips chunks only for Mamba "align" checkpoints)."""
+        del req_id, hit, max_chunk_tokens
+        return num_new_tokens
+
     # ----------------------------------------------------------------- queries
     def num_tokens(self, req_id: str) -> int:
         return self._requests[req_id].num_tokens
