@@ -28,6 +28,7 @@ from hybridkv.specs import (
     kv_bytes_per_token,
 )
 from hybridkv.stats import PrefixCacheStats
+from hybridkv.views import BlockView, CachedBlock, CacheSnapshot, GroupUsage
 
 __version__ = "0.1.0"
 
@@ -35,8 +36,11 @@ __all__ = [
     "CORE_POLICIES",
     "Allocation",
     "BlockHasher",
+    "BlockView",
     "CacheConfig",
     "CacheGroup",
+    "CacheSnapshot",
+    "CachedBlock",
     "CapacityError",
     "ChunkedLocalSpec",
     "ConfigError",
@@ -45,6 +49,7 @@ __all__ = [
     "EquivalenceError",
     "ExtraKeys",
     "FullAttentionSpec",
+    "GroupUsage",
     "HybridKVError",
     "InvariantViolation",
     "KVCacheManager",

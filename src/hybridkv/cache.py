@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridkv.block import Block
 from hybridkv.config import CacheConfig
@@ -34,6 +34,7 @@ from hybridkv.errors import (
 from hybridkv.eviction import EvictionOptions, EvictionPolicy, parse_eviction
 from hybridkv.hashing import BlockHasher, ExtraKeys
 from hybridkv.ids import BlockHash, ReqId
+from hybridkv.managers import coarse_hashes
 from hybridkv.managers.recurrent import CHUNK_CHECKPOINTS, parse_checkpoint_policy
 from hybridkv.policies import (
     PrependPolicy,
@@ -44,6 +45,7 @@ from hybridkv.policies import (
 from hybridkv.pool import BlockPool
 from hybridkv.stats import PrefixCacheStats
 from hybridkv.tokens import RequestTokens
+from hybridkv.views import BlockView, CachedBlock, CacheSnapshot, GroupUsage
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,14 +54,16 @@ class PrefixHit:
 
     Attributes:
         num_tokens: hit length (a multiple of the alignment, ``<= prompt - 1``).
-        blocks: per group, the hit table (null blocks where KV is not needed).
+        blocks: per group, the hit table as frozen ``BlockView`` values (null blocks where
+            KV is not needed); ``block_ids`` the same as ids. The pool's own ``Block``
+            objects stay inside the manager.
         junction_tokens: when > 0, full attention matched this far although the hit is
             shorter (a shared prefix whose window tail is not retained).
     """
 
     req_id: ReqId
     num_tokens: int
-    blocks: tuple[tuple[Block, ...], ...]
+    _tables: tuple[tuple[Block, ...], ...] = field(repr=False, compare=False)
     junction_tokens: int
     epoch: int
     full_attention_tokens: int = 0
@@ -75,8 +79,12 @@ class PrefixHit:
         return max(0, self.full_attention_tokens - self.num_tokens)
 
     @property
+    def blocks(self) -> tuple[tuple[BlockView, ...], ...]:
+        return tuple(tuple(BlockView.of(b) for b in table) for table in self._tables)
+
+    @property
     def block_ids(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(b.block_id for b in table) for table in self.blocks)
+        return tuple(tuple(b.block_id for b in table) for table in self._tables)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,11 +98,11 @@ class Allocation:
     num_computed_tokens: int
     num_new_tokens: int
     num_hit_tokens: int
-    new_blocks: tuple[Sequence[Block], ...]
+    _new_blocks: tuple[Sequence[Block], ...] = field(repr=False, compare=False)
 
     @property
     def new_block_ids(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(b.block_id for b in blocks) for blocks in self.new_blocks)
+        return tuple(tuple(b.block_id for b in blocks) for blocks in self._new_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,14 +378,14 @@ class KVCacheManager:
 
     def _checked_hit(self, req_id: ReqId, hit: PrefixHit, admitting: bool,
                      ) -> tuple[Sequence[Sequence[Block]], int]:
-        if not (hit.num_tokens or any(hit.blocks)):
+        if not (hit.num_tokens or any(hit._tables)):
             return self._no_hit_tables, 0
         if not admitting or hit.req_id != req_id:
             raise RequestError(f"request_id={req_id!r}: a PrefixHit applies only to the "
                                "admission of the request it was looked up for")
         if hit.epoch != self.pool.epoch:
             raise StaleHitError(req_id, hit.epoch, self.pool.epoch)
-        return hit.blocks, hit.num_tokens
+        return hit._tables, hit.num_tokens
 
     def _record_admission(self, state: _RequestState, num_hit: int,
                           hit_tables: Sequence[Sequence[Block]], hit: PrefixHit | None) -> None:
@@ -440,6 +448,83 @@ class KVCacheManager:
             num_computed, num_new_tokens, num_tokens=state.token_ids.num_tokens,
             num_prompt_tokens=state.num_prompt_tokens, junction_tokens=junction,
             max_chunk_tokens=max_chunk_tokens or self.config.max_num_batched_tokens)
+
+    # -------------------------------------------------- engine-facing maintenance
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. after a weight update), as vLLM's
+        ``reset_prefix_cache``: only while no request holds blocks; returns whether it did.
+
+        Every hash is dropped (waiting requests keep theirs: they simply miss), freed
+        blocks go back to the free queue as scratch, outstanding ``PrefixHit`` values go
+        stale. Not counted as evictions.
+        """
+        pool = self.pool
+        if pool.num_free_blocks != pool.num_blocks - 1:
+            return False
+        pool.drop_cached([b for b in pool.blocks if b.block_hash is not None])
+        pool.epoch += 1
+        return True
+
+    def evict_prefix(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None,
+                     ) -> int:
+        """Drop the cached blocks of one prefix in every group; returns how many.
+
+        ``token_ids`` (with the ``extra_keys`` it was sent with) names the prefix; its full
+        blocks are hashed as a request's would be, and every cached copy of each of those
+        block hashes, in every group, loses its hash. Blocks a running request holds keep
+        their KV for it (they can no longer be hit and free as scratch); free ones move to
+        the head of the free queue. Cached blocks of longer prefixes that extend this one
+        keep their hashes, but no full-attention hit can reach them without these blocks.
+        Outstanding ``PrefixHit`` values go stale when anything was dropped.
+        """
+        if not self.config.enable_caching:
+            return 0
+        hashes = self.hasher.hash_blocks(list(token_ids), extra_keys=extra_keys)
+        hb = self.hasher.block_size
+        doomed: list[Block] = []
+        for group in self.config.groups:
+            for block_hash in coarse_hashes(hashes, group.spec.block_size // hb):
+                doomed.extend(self.pool.cached_copies(block_hash, group.group_id))
+        return self.pool.drop_cached(doomed)
+
+    def probe_prefix(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None,
+                     ) -> int:
+        """Tokens of ``token_ids`` a request sending exactly them would hit now (at most
+        ``len - 1``), without adding a request or changing anything: how much of a prompt
+        is cached, for a router or an admission estimate."""
+        if not self.config.enable_caching or len(token_ids) < 2:
+            return 0
+        hashes = self.hasher.hash_blocks(list(token_ids), extra_keys=extra_keys)
+        _, num_tokens, _ = self.coordinator.find_longest_hit(hashes, len(token_ids) - 1)
+        return num_tokens
+
+    def snapshot(self) -> CacheSnapshot:
+        """A frozen copy of the cache's state: every cached block (group, hash, holders,
+        free queue), the free-queue order allocation follows, per-group usage. O(pool)."""
+        pool = self.pool
+        queue_names = ("dead", "free", "protected", "session", "pinned")
+        cached: list[CachedBlock] = []
+        cached_by_group = [0] * len(self.config.groups)
+        cached_free_by_group = [0] * len(self.config.groups)
+        for block in pool.blocks:
+            if block.block_hash is None or block.hash_group_id is None:
+                continue
+            group_id = block.hash_group_id
+            queue = None if block.queue_id is None else queue_names[block.queue_id]
+            cached.append(CachedBlock(block.block_id, group_id, block.block_hash,
+                                      block.ref_count, queue))
+            cached_by_group[group_id] += 1
+            if block.ref_count == 0:
+                cached_free_by_group[group_id] += 1
+        groups = tuple(
+            GroupUsage(group.group_id, group.spec.kind,
+                       len({b.block_id for table in manager.tables.values()
+                            for b in table if not b.is_null}),
+                       cached_by_group[group.group_id], cached_free_by_group[group.group_id])
+            for group, manager in zip(self.config.groups, self.coordinator.managers,
+                                      strict=True))
+        return CacheSnapshot(pool.epoch, pool.num_blocks, pool.num_free_blocks,
+                             tuple(pool.free_queue_order()), tuple(cached), groups)
 
     # --------------------------------------------------------------- queries
     def get_block_ids(self, req_id: ReqId) -> tuple[tuple[int, ...], ...]:

@@ -393,6 +393,38 @@ class BlockPool:
         if hashed != indexed:
             raise InvariantViolation(f"hashed but not indexed: {sorted(hashed - indexed)[:8]}")
 
+    def cached_copies(self, block_hash: BlockHash, group_id: GroupId) -> list[Block]:
+        """Every block of ``group_id`` cached under ``block_hash`` (primary first, then
+        duplicate copies). Does not modify."""
+        primary = self._index[group_id].get(block_hash)
+        if primary is None:
+            return []
+        return [primary, *self._duplicates[group_id].get(block_hash, ())]
+
+    def drop_cached(self, blocks: Iterable[Block]) -> int:
+        """Remove the hashes of ``blocks`` on the caller's request (not counted as
+        evictions); returns how many were hashed. A held block keeps its KV for the requests
+        holding it (it just cannot be hit any more, and frees as scratch); a free one moves
+        to the head of the free queue, reused first."""
+        num_dropped = 0
+        for block in blocks:
+            group_id = block.hash_group_id
+            if block.block_hash is None or group_id is None:
+                continue
+            self._evict(block)
+            self.num_evicted_blocks[group_id] -= 1
+            if block.ref_count == 0:
+                self.move(block, FreeTier.HEAD)
+            num_dropped += 1
+        if num_dropped:
+            self.epoch += 1
+        return num_dropped
+
+    def free_queue_order(self) -> list[int]:
+        """Free block ids in the order ``allocate`` takes them: every queue (dead, free,
+        protected, session, pinned), head first. Does not modify."""
+        return [block.block_id for queue in self.queues for block in queue]
+
     def free_block_ids(self) -> Sequence[int]:
         """Free-queue order, head first (for tests and debugging). Does not modify."""
         return [b.block_id for b in self.free_queue]

@@ -92,6 +92,11 @@ class ManagerMachine(RuleBasedStateMachine):
         self.hit_at_admission: dict[str, int] = {}
         self.lifetime: dict[str, int] = {}
         self.num_admissions = 0
+        self.num_drops = 0
+        self.dropped: set[int] = set()
+        """Blocks ``evict_prefix`` unhashed while a request held them (until reused)."""
+        """Engine-requested hash drops (``evict_prefix``, ``reset_prefix_cache``): they end
+        retention promises like evictions do."""
         self.evictions_at_admission: dict[str, int] = {}
         # (computed tokens, boundaries the policy must keep hittable, evictions at admission)
         self.retained: dict[int, tuple[tuple[int, ...], list[int], int]] = {}
@@ -116,6 +121,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for group_ids in new_block_ids:
             for block_id in group_ids:
                 self.content[block_id] = None
+                self.dropped.discard(block_id)
                 self.drafter_next[block_id] = None
         tokens = self.tokens(req_id)
         self.sequences[req_id] = tokens[:end]  # computed prefixes seed later prompts
@@ -185,7 +191,7 @@ class ManagerMachine(RuleBasedStateMachine):
             event("admission with a prefix hit")
 
     def evictions(self) -> int:
-        return sum(self.manager.pool.num_evicted_blocks)
+        return sum(self.manager.pool.num_evicted_blocks) + self.num_drops
 
     def guaranteed_boundaries(self, req_id: str, num_computed: int) -> list[int]:
         """Aligned positions in [hit, computed] where this request's lifetime left a hit for
@@ -215,6 +221,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 table = managers[group_id].tables[req_id]
                 for idx in needed_blocks(spec, b):
                     block = table[idx]
+                    if block.block_id in self.dropped:
+                        continue  # the engine dropped its hash (evict_prefix)
                     assert not block.is_null and block.block_hash is not None, (
                         f"policy {self.setup_.policy}: group {group_id} block {idx} is needed "
                         f"at boundary {b} but was not hashed")
@@ -412,10 +420,83 @@ class ManagerMachine(RuleBasedStateMachine):
             raise AssertionError("a stale PrefixHit was accepted")
         assert not self.manager.is_running(req_id)
 
+    # ----------------------------------------------------- engine-facing operations
+    def some_prefix(self, pick: int, cut: int) -> list[int]:
+        sequences = list(self.sequences.values())
+        return sequences[pick % len(sequences)][:cut] if sequences else []
+
+    @rule(pick=st.integers(0, 10**6), cut=st.integers(0, MAX_PROMPT), go=st.integers(0, 2))
+    def evict_prefix(self, pick: int, cut: int, go: int) -> None:
+        """Drop one known prefix's blocks: exactly every cached copy of its block hashes,
+        in every group, loses its hash (held ones included); nothing else changes."""
+        if go:
+            return  # a third of the draws: hits need caches to survive
+        tokens = self.some_prefix(pick, cut)
+        pool = self.manager.pool
+        hashes = self.hasher.hash_blocks(tokens)
+        hb = self.hasher.block_size
+        views = [coarse_hashes(hashes, spec.block_size // hb) for spec in self.specs]
+        doomed = {b.block_id for g, view in enumerate(views) for h in view
+                  for b in pool.cached_copies(BlockHash(h), GroupId(g))}
+        hashed_before = {b.block_id for b in pool.blocks if b.block_hash is not None}
+        dropped = self.manager.evict_prefix(tokens)
+        assert dropped == len(doomed)
+        assert {b.block_id for b in pool.blocks if b.block_hash is not None} == \
+            hashed_before - doomed
+        if dropped:
+            self.num_drops += 1
+            self.dropped |= doomed
+            event("evict_prefix dropped blocks")
+
+    @rule(go=st.integers(0, 9))
+    def reset_prefix_cache(self, go: int) -> None:
+        """Refused (changing nothing) while a request runs; else every hash is gone."""
+        if go:
+            return
+        before = self.manager.snapshot()
+        done = self.manager.reset_prefix_cache()
+        if self.running():
+            assert not done and self.manager.snapshot() == before
+            return
+        assert done and self.manager.snapshot().cached_blocks == ()
+        self.num_drops += 1
+        event("prefix cache reset")
+
+    @rule(pick=st.integers(0, 10**6), cut=st.integers(0, MAX_PROMPT + 4),
+          suffix=token_lists(4))
+    def probe_prefix(self, pick: int, cut: int, suffix: list[int]) -> None:
+        """A probe changes nothing and equals the plain lookup of the same tokens."""
+        tokens = self.some_prefix(pick, cut) + suffix
+        before = self.manager.snapshot()
+        probed = self.manager.probe_prefix(tokens)
+        assert self.manager.snapshot() == before
+        if len(tokens) < 2:
+            assert probed == 0
+        elif not self.manager.recompute:
+            self.manager.add_request("probe", tokens)
+            assert probed == self.manager.find_longest_hit("probe").num_tokens
+            self.manager.remove_request("probe")
+        if not self.drops and len(tokens) >= 2:
+            assert probed == self.brute_force_hit(tokens, len(tokens) - 1)
+
     # --------------------------------------------------------------- invariants
     @invariant()
     def manager_invariants(self) -> None:
         self.manager.check_invariants()
+
+    @invariant()
+    def snapshot_agrees_with_the_pool(self) -> None:
+        snap = self.manager.snapshot()
+        pool = self.manager.pool
+        assert snap.num_free_blocks == pool.num_free_blocks == len(snap.free_queue)
+        assert len(set(snap.free_queue)) == len(snap.free_queue)
+        managers = self.manager.coordinator.managers
+        held = [{b.block_id for t in m.tables.values() for b in t if not b.is_null}
+                for m in managers]
+        assert [g.held_blocks for g in snap.groups] == [len(h) for h in held]
+        assert set().union(*held).isdisjoint(snap.free_queue)
+        assert {c.block_id for c in snap.cached_blocks} == \
+            {b.block_id for b in pool.blocks if b.block_hash is not None}
 
     @invariant()
     def tables_hold_the_right_content(self) -> None:

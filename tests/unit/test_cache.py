@@ -542,11 +542,11 @@ def test_refused_admission_leaves_hit_blocks_untouched() -> None:
     manager.add_request("c", [*tokens, *range(500, 600)])
     hit = manager.find_longest_hit("c")
     assert hit.num_tokens == 96
-    before = [b.ref_count for b in hit.blocks[0]]
+    before = [manager.pool.blocks[i].ref_count for i in hit.block_ids[0]]
     assert before == [1, 1, 1, 0, 0, 0]
     free_before = manager.num_free_blocks
     assert manager.allocate_slots("c", 100, hit) is None
-    assert [b.ref_count for b in hit.blocks[0]] == before
+    assert [manager.pool.blocks[i].ref_count for i in hit.block_ids[0]] == before
     assert manager.num_free_blocks == free_before and not manager.is_running("c")
     manager.check_invariants()
 

@@ -277,7 +277,8 @@ def test_evictable_hit_block_is_predicted_but_not_double_allocated() -> None:
     hit = manager.find_longest_hit("b")
     assert hit.num_tokens == 2 and hit.block_ids == ((1,),)
     group = manager.coordinator.managers[0]
-    assert group.num_blocks_to_allocate("b", 4, hit.blocks[0], 2, None) == 2
+    hit_blocks = [manager.pool.blocks[i] for i in hit.block_ids[0]]
+    assert group.num_blocks_to_allocate("b", 4, hit_blocks, 2, None) == 2
     free_before = manager.num_free_blocks
     allocation = manager.allocate_slots("b", 2, hit)
     # a's unhashed partial block 2 went to the queue head, so it is the one reused

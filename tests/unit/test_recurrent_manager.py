@@ -210,7 +210,7 @@ def test_block_checkpoints_keep_a_state_at_every_block_end_and_hit_there() -> No
     m.add_request("b", list(range(10)) + [7] * 5)
     m.new_step()
     hit = m.find_longest_hit("b")
-    assert hit.num_tokens == 8 and hit.blocks[1][-1] is blocks[1]
+    assert hit.num_tokens == 8 and hit.blocks[1][-1].block_id == blocks[1].block_id
     m.new_step()
     m.allocate_slots("a", 2)            # [14, 16): the block of 12..16 gets the state at 16
     assert blocks[3].block_hash is not None

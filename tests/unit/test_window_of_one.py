@@ -61,5 +61,5 @@ def test_window_of_two_still_needs_its_tail() -> None:
     manager, hit = resend_hit("latest", window=2)
     assert hit.num_tokens == 14 and not hit.blocks[1][-1].is_null
     tail = hit.blocks[1][-1]
-    manager.pool._evict(tail)  # white box: what reallocating it would do
+    manager.pool._evict(manager.pool.blocks[tail.block_id])  # white box: as reallocation
     assert manager.find_longest_hit("b").num_tokens == 0  # latest kept only that tail

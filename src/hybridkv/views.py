@@ -1,0 +1,93 @@
+"""Read-only views of cache state for engines: hit blocks, cached blocks, queues, usage.
+
+Everything here is a frozen value copied out of the manager: holding one never pins or
+changes a block, and it does not follow later changes (take a new snapshot).
+
+>>> from hybridkv import CacheConfig, FullAttentionSpec, KVCacheManager
+>>> manager = KVCacheManager(CacheConfig.from_layers([FullAttentionSpec(4, 1)], 8), "dense")
+>>> manager.add_request("a", list(range(9)))
+>>> _ = manager.allocate_slots("a", 9)
+>>> manager.remove_request("a")
+>>> snap = manager.snapshot()
+>>> [(b.block_id, b.group_id, b.ref_count) for b in snap.cached_blocks]
+[(1, 0, 0), (2, 0, 0)]
+>>> snap.free_queue  # allocation order: the never-used blocks, then the freed ones (LRU)
+(4, 5, 6, 7, 3, 2, 1)
+>>> snap.groups[0]
+GroupUsage(group_id=0, kind='full_attention', held_blocks=0, cached_blocks=2, cached_free_blocks=2)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridkv.block import Block
+from hybridkv.ids import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class BlockView:
+    """One block of a hit table, frozen at lookup time.
+
+    ``is_null``: the table position needs no KV (block 0); ``block_hash`` /
+    ``hash_group_id``: the prefix hash it was cached under and its group (``None`` when
+    unhashed); ``ref_count``: requests holding it while the hit is valid (0: free, so it
+    can be evicted before the admission takes it).
+    """
+
+    block_id: int
+    is_null: bool
+    block_hash: BlockHash | None
+    hash_group_id: int | None
+    ref_count: int
+
+    @classmethod
+    def of(cls, block: Block) -> BlockView:
+        return cls(block.block_id, block.is_null, block.block_hash, block.hash_group_id,
+                   block.ref_count)
+
+
+@dataclass(frozen=True, slots=True)
+class CachedBlock:
+    """A block whose KV is indexed under a prefix hash (hittable).
+
+    ``ref_count``: running requests holding it (0: free, evictable); ``queue``: the free
+    queue it waits in (``None`` while held): ``dead``, ``free``, ``protected``,
+    ``session`` or ``pinned``.
+    """
+
+    block_id: int
+    group_id: int
+    block_hash: BlockHash
+    ref_count: int
+    queue: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupUsage:
+    """One cache group's share of the pool: blocks in its running requests' tables
+    (``held_blocks``), blocks indexed under its hashes (``cached_blocks``) and those of
+    them no request holds (``cached_free_blocks``, reclaimable)."""
+
+    group_id: int
+    kind: str
+    held_blocks: int
+    cached_blocks: int
+    cached_free_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    """The whole cache at one instant (``KVCacheManager.snapshot``).
+
+    ``free_queue``: free block ids in the order allocation takes them (every tier, head
+    first); ``cached_blocks``: every hashed block, by block id; ``groups``: per-group usage;
+    ``epoch``: the pool epoch (a ``PrefixHit`` from the same epoch is still valid).
+    """
+
+    epoch: int
+    num_blocks: int
+    num_free_blocks: int
+    free_queue: tuple[int, ...]
+    cached_blocks: tuple[CachedBlock, ...]
+    groups: tuple[GroupUsage, ...]
