@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
 from hybridkv.sim.loaders import load_trace
-from hybridkv.sim.model import load_model
+from hybridkv.sim.model import load_model, num_blocks_for_memory, parse_size
 from hybridkv.sim.replay import LazyPrompt
 from hybridkv.sim.scheduler import SchedRequest, Scheduler
 from hybridkv.sim.trace import OUTPUT_TOKEN_BASE, Trace
@@ -224,8 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", help="trace file or directory")
     parser.add_argument("--model", required=True, help="preset name or model .toml")
-    parser.add_argument("--num-blocks", type=int,
+    sizing = parser.add_mutually_exclusive_group()
+    sizing.add_argument("--num-blocks", type=int,
                         help="pool size including the null block (same for both)")
+    sizing.add_argument("--kv-memory",
+                        help="KV memory budget (e.g. 40GiB): both sides plan their pool from "
+                             "it and must get the same block count")
     parser.add_argument("--check-kv-memory", default=None, metavar="SIZES",
                         help="comma-separated KV budgets (e.g. 20GiB,108GB): compare the block "
                              "counts both sides plan from them (block-outermost models: vLLM's "
@@ -257,10 +261,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed_blocks = check_block_counts(args)
         if args.trace is None:
             return 1 if failed_blocks else 0
-    if args.trace is None or args.num_blocks is None:
-        parser.error("--trace and --num-blocks are required unless --check-kv-memory runs alone")
+    if args.trace is None or (args.num_blocks is None and args.kv_memory is None):
+        parser.error("--trace and --num-blocks (or --kv-memory) are required unless "
+                     "--check-kv-memory runs alone")
     trace = load_trace(args.trace, limit=args.limit)
-    config = load_model(args.model).cache_config(
+    shape = load_model(args.model)
+    if args.kv_memory is not None:
+        from vllm_adapter import vllm_num_blocks_for_memory
+
+        ours_blocks = num_blocks_for_memory(shape, args.kv_memory)
+        theirs_blocks = vllm_num_blocks_for_memory(shape.cache_config(2),
+                                                   parse_size(args.kv_memory))
+        print(f"--kv-memory {args.kv_memory}: hybridkv {ours_blocks} blocks, "
+              f"vllm {theirs_blocks} blocks", flush=True)
+        if ours_blocks != theirs_blocks:
+            print("block counts differ", file=sys.stderr)
+            return 1
+        args.num_blocks = ours_blocks
+    config = shape.cache_config(
         args.num_blocks, max_num_batched_tokens=args.chunk_size,
         use_eagle=args.eagle or args.eagle_drop, eagle_block_drop=args.eagle_drop)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]

@@ -35,6 +35,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
     get_kv_quant_mode,
@@ -49,8 +50,10 @@ from hybridkv.specs import (
     CompressedAttentionSpec,
     CompressorStateSpec,
     LayerSpec,
+    RecurrentStateSpec,
     RingBufferSpec,
     SlidingWindowMLASpec,
+    page_bytes,
 )
 from hybridkv.specs import SlidingWindowSpec as OurSlidingWindowSpec
 
@@ -74,12 +77,20 @@ def retention_interval(policy: str) -> int | None:
                      "(use prepend, latest or interval:N)")
 
 
-def _vllm_spec(spec: LayerSpec) -> Any:
+def _vllm_spec(spec: LayerSpec, padded_page_bytes: int | None = None) -> Any:
     """One of our layer specs as the vLLM spec with the same block/window shape.
 
     Page bytes follow our ``kv_bytes_per_token`` (one 1-byte "head" of K and V halves), so
     pages match ours; hit rates do not depend on them.
     """
+    if isinstance(spec, RecurrentStateSpec):
+        # one int8 tensor of the checkpoint's bytes: the page equals ours
+        # (padded to the pool's page, as vLLM's _align_hybrid_block_size pads it)
+        padded = padded_page_bytes if padded_page_bytes and \
+            padded_page_bytes > spec.state_bytes else None
+        return MambaSpec(block_size=spec.block_size, shapes=((spec.state_bytes,),),
+                         dtypes=(torch.int8,), mamba_cache_mode="align",
+                         page_size_padded=padded)
     kv_bytes = spec.kv_bytes_per_token
     common: dict[str, Any] = {
         "block_size": spec.block_size,
@@ -94,14 +105,33 @@ def _vllm_spec(spec: LayerSpec) -> Any:
     return FullAttentionSpec(**common)
 
 
-def vllm_kv_cache_config(config: CacheConfig, policy: str) -> KVCacheConfig:
-    """A vLLM ``KVCacheConfig`` with the same groups (order, specs, layers) and pool size."""
+def vllm_kv_cache_groups(config: CacheConfig) -> list[KVCacheGroupSpec]:
+    """Our groups (order, layers, EAGLE flags) as vLLM groups with the same pages."""
+    largest_page = max(page_bytes(g.spec) for g in config.groups)
     flagged = set(config.eagle_group_ids or ()) if config.drops_eagle_block else set()
-    groups = [
+    return [
         KVCacheGroupSpec([f"model.layers.{i}.attn" for i in group.layer_ids],
-                         _vllm_spec(group.spec), is_eagle_group=group.group_id in flagged)
+                         _vllm_spec(group.spec, largest_page),
+                         is_eagle_group=group.group_id in flagged)
         for group in config.groups
     ]
+
+
+def vllm_num_blocks_for_memory(config: CacheConfig, num_bytes: int) -> int:
+    """The pool size vLLM 0.33 plans for ``num_bytes`` of KV memory: its own bytes per block
+    (``kv_cache_planning._get_kv_cache_bytes_per_block``, layer-outer layout, the default)
+    and ``available_memory // bytes_per_block`` (``get_kv_cache_config_from_groups``)."""
+    from vllm.v1.core.kv_cache_planning import _get_kv_cache_bytes_per_block
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    bytes_per_block = _get_kv_cache_bytes_per_block(vllm_kv_cache_groups(config),
+                                                    KVCacheLayout.LBHNC)
+    return int(num_bytes // bytes_per_block)
+
+
+def vllm_kv_cache_config(config: CacheConfig, policy: str) -> KVCacheConfig:
+    """A vLLM ``KVCacheConfig`` with the same groups (order, specs, layers) and pool size."""
+    groups = vllm_kv_cache_groups(config)
     sizes = [g.spec.block_size for g in config.groups]
     return KVCacheConfig(
         num_blocks=config.num_blocks,
@@ -266,6 +296,24 @@ class VllmManager:
             num_prefill_lookahead=config.eagle_lookahead_tokens if config.use_eagle else 0,
             log_stats=True,
         )
+        self._max_in_flight_tokens = config.max_num_batched_tokens
+        self._mamba_split: Any = None
+        self._mamba_split_self: Any = None
+        mamba_sizes = [g.spec.block_size for g in config.groups
+                       if isinstance(g.spec, RecurrentStateSpec)]
+        if mamba_sizes:
+            from types import SimpleNamespace
+
+            from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+            self._mamba_split = VllmScheduler._mamba_block_aligned_split
+            self._mamba_split_self = SimpleNamespace(
+                cache_config=SimpleNamespace(block_size=mamba_sizes[0]),
+                hash_block_size=self.hash_block_size, block_size=self.scheduler_block_size,
+                mamba_partial_cache_hit=False, use_eagle_block_drop=False,
+                num_hash_lookahead_tokens=0, mamba_has_prefill_checkpoint_blocks=False,
+                mamba_prefill_checkpoint_alignment=None, mamba_shared_prefix_checkpoint=False,
+                max_num_scheduled_tokens=config.max_num_batched_tokens,
+                scheduler_config=SimpleNamespace(long_prefill_token_threshold=0))
         self._sampling = SamplingParams(max_tokens=1 << 30)
         self._requests: dict[str, Request] = {}
         self.manager_seconds = 0.0
@@ -359,12 +407,22 @@ class VllmManager:
         self.kv.new_step_starts()
         self.manager_seconds += time.perf_counter() - started
 
-    def align_prefill_chunk(self, req_id: str, num_new_tokens: int, hit: object = None, *,
+    def align_prefill_chunk(self, req_id: str, num_new_tokens: int,
+                            hit: VllmHit | None = None, *,
                             max_chunk_tokens: int | None = None) -> int:
-        """The scheduler's chunk clipping hook: attention-only models keep the chunk
-        (vLLM clips chunks only for Mamba "align" checkpoints)."""
-        del req_id, hit, max_chunk_tokens
-        return num_new_tokens
+        """vLLM's own ``Scheduler._mamba_block_aligned_split`` (models with Mamba groups in
+        align mode; unchanged otherwise), run on a stand-in for the scheduler's fields with
+        vLLM's defaults: no fine-grained hash hits, no internal prefill checkpoints, no
+        shared-prefix checkpoint, no EAGLE drop, no long-prefill threshold."""
+        if self._mamba_split is None:
+            return num_new_tokens
+        request = self._requests[req_id]
+        admitting = request.status != RequestStatus.RUNNING
+        num_hit = hit.num_tokens if (admitting and hit is not None) else 0
+        self._mamba_split_self.max_num_scheduled_tokens = (
+            max_chunk_tokens or self._max_in_flight_tokens)
+        # scheduler work, not manager work: not in manager_seconds (nor is ours)
+        return int(self._mamba_split(self._mamba_split_self, request, num_new_tokens, num_hit))
 
     # ----------------------------------------------------------------- queries
     def num_tokens(self, req_id: str) -> int:

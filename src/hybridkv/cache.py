@@ -35,6 +35,7 @@ from hybridkv.eviction import EvictionOptions, EvictionPolicy, parse_eviction
 from hybridkv.hashing import BlockHasher, ExtraKeys
 from hybridkv.ids import BlockHash, ReqId
 from hybridkv.managers import coarse_hashes
+from hybridkv.managers.recurrent import CHUNK_CHECKPOINTS, parse_checkpoint_policy
 from hybridkv.policies import (
     PrependPolicy,
     RetentionPolicy,
@@ -150,11 +151,17 @@ class KVCacheManager:
                  eviction: EvictionOptions | None = None) -> None:
         self.recompute = False
         """Window-recompute partial hits (policy modifier ``+recompute``)."""
+        self.checkpoints = CHUNK_CHECKPOINTS
+        """Where recurrent groups write checkpoints (modifier ``+ckpt:chunk|block``)."""
         if isinstance(retention, str):
             retention_name, modifiers = split_policy_name(retention)
             policy = make_retention_policy(retention_name)
             self.recompute = "recompute" in modifiers
             modifiers = [m for m in modifiers if m != "recompute"]
+            checkpoints = [m for m in modifiers if m.startswith("ckpt:")]
+            modifiers = [m for m in modifiers if not m.startswith("ckpt:")]
+            if checkpoints:
+                self.checkpoints = parse_checkpoint_policy(checkpoints[-1])
             if modifiers:
                 eviction = parse_eviction(modifiers)
         else:
@@ -170,13 +177,16 @@ class KVCacheManager:
             f"{policy.name}+{eviction.name}"
         if self.recompute:
             self.policy_name += "+recompute"
+        if self.checkpoints != CHUNK_CHECKPOINTS:
+            self.policy_name += f"+{self.checkpoints}"
         chain_group = next((g.group_id for g in config.groups  # compressed kinds too
                             if isinstance(g.spec, FullAttentionSpec)), None)
         evictor = None if eviction.name == "lru" else \
             EvictionPolicy(eviction, config.num_blocks, chain_group)
         self.pool = BlockPool(config.num_blocks, len(config.groups), evictor)
         self.coordinator = HybridCoordinator(config, self.pool, policy,
-                                             chain_group if eviction.chain else None)
+                                             chain_group if eviction.chain else None,
+                                             checkpoints=self.checkpoints)
         self.hasher = BlockHasher(config.hash_block_size, config.hash_algo,
                                   config.hash_lookahead_tokens)
         self._lookahead = config.hash_lookahead_tokens
@@ -335,12 +345,14 @@ class KVCacheManager:
             if need > self.pool.num_free_blocks:
                 return None
         num_slots = self._cap_len(num_computed + num_new_tokens + num_lookahead_tokens)
+        num_main = self._cap_len(num_computed + num_new_tokens)
         if admitting:
             need = coordinator.num_blocks_to_allocate(
-                req_id, num_slots, hit_tables, num_computed, apply_admission_cap=False)
+                req_id, num_slots, hit_tables, num_computed, apply_admission_cap=False,
+                num_main_tokens=num_main)
         else:
             coordinator.remove_skipped_blocks(req_id, num_computed)
-            need = coordinator.num_blocks_to_grow(req_id, num_slots)
+            need = coordinator.num_blocks_to_grow(req_id, num_slots, num_main)
         if need and need > self.pool.num_free_blocks:
             return None
         if admitting:
@@ -348,7 +360,7 @@ class KVCacheManager:
             self._record_admission(state, num_hit, hit_tables, hit)
         if need or admitting:
             new_blocks: Sequence[Sequence[Block]] = coordinator.allocate_new_blocks(
-                req_id, num_slots)
+                req_id, num_slots, num_main)
         else:
             new_blocks = self._no_new_blocks
         state.num_computed_tokens = num_computed + num_new_tokens

@@ -69,7 +69,8 @@ def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
                        help="trace file or directory (Mooncake, WEKA, RAGPulse, native)")
     group.add_argument("--workload", type=non_empty_str,
                        help="synthetic workload: retention-microbench, agentic, "
-                       f"aba, shared-prefix, long-context (default: {DEFAULT_WORKLOAD})")
+                       f"aba, shared-prefix, shared-prefix-suffix, short-prompts, long-context "
+                       f"(default: {DEFAULT_WORKLOAD})")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="workload parameter (repeatable), e.g. --set num_sessions=8 "
                         "or --set fractions=0.1,0.5")

@@ -21,7 +21,12 @@ from hybridkv.errors import ConfigError
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers import MANAGER_FOR_SPEC, GroupManager, coarse_hashes
 from hybridkv.managers.chunked import ChunkedLocalManager
-from hybridkv.managers.recurrent import RecurrentStateManager, align_recurrent_chunk
+from hybridkv.managers.recurrent import (
+    BLOCK_CHECKPOINTS,
+    CHUNK_CHECKPOINTS,
+    RecurrentStateManager,
+    align_recurrent_chunk,
+)
 from hybridkv.policies import RetentionPolicy
 from hybridkv.pool import BlockPool
 from hybridkv.siblings import SiblingBatch
@@ -67,7 +72,8 @@ class HybridCoordinator:
     """Owns one ``GroupManager`` per cache group over one shared ``BlockPool``."""
 
     def __init__(self, config: CacheConfig, pool: BlockPool, retention: RetentionPolicy,
-                 chain_group_id: GroupId | None = None) -> None:
+                 chain_group_id: GroupId | None = None, *,
+                 checkpoints: str = CHUNK_CHECKPOINTS) -> None:
         self.config = config
         self.pool = pool
         self.retention = retention
@@ -114,7 +120,10 @@ class HybridCoordinator:
                 manager.chain_block_size = chain_block_size
                 manager.is_chain_reference = manager.group_id == chain_group_id
         self._step_managers = [m for m in self.managers if m.has_step_state]
-        self._recurrent_block_size = next(
+        for manager in self.managers:
+            if isinstance(manager, RecurrentStateManager):
+                manager.every_block = checkpoints == BLOCK_CHECKPOINTS
+        self._recurrent_block_size = None if checkpoints == BLOCK_CHECKPOINTS else next(
             (m.block_size for m in self.managers if isinstance(m, RecurrentStateManager)),
             None)
         self._caps = [
@@ -257,11 +266,16 @@ class HybridCoordinator:
     # -------------------------------------------------------------- allocation
     def num_blocks_to_allocate(self, req_id: ReqId, num_tokens: int,
                                hit_tables: Sequence[Sequence[Block]], num_computed_tokens: int,
-                               *, apply_admission_cap: bool) -> int:
+                               *, apply_admission_cap: bool,
+                               num_main_tokens: int | None = None) -> int:
+        """``num_main_tokens``: the slots without lookahead (speculative) tokens, which
+        groups that ignore lookahead (recurrent state) use instead of ``num_tokens``."""
         total = 0
         for manager, hit_blocks, cap in zip(self.managers, hit_tables, self._caps, strict=True):
+            tokens = num_main_tokens if manager.ignores_lookahead and num_main_tokens \
+                is not None else num_tokens
             total += manager.num_blocks_to_allocate(
-                req_id, num_tokens, hit_blocks, num_computed_tokens,
+                req_id, tokens, hit_blocks, num_computed_tokens,
                 cap if apply_admission_cap else None,
             )
         return total
@@ -290,14 +304,17 @@ class HybridCoordinator:
         none is remembered)."""
         return self._covered_tokens.get(req_id, 0)
 
-    def num_blocks_to_grow(self, req_id: ReqId, num_tokens: int) -> int:
+    def num_blocks_to_grow(self, req_id: ReqId, num_tokens: int,
+                           num_main_tokens: int | None = None) -> int:
         """Blocks a running request's tables need to cover ``num_tokens`` slots (0 at once
         while the last allocation's tables already cover them: most decode steps)."""
         if num_tokens <= self._covered_tokens.get(req_id, 0):
             return 0
         total = 0
         for manager in self.managers:
-            total += manager.num_blocks_to_grow(req_id, num_tokens)
+            tokens = num_main_tokens if manager.ignores_lookahead and num_main_tokens \
+                is not None else num_tokens
+            total += manager.num_blocks_to_grow(req_id, tokens)
         return total
 
     def add_hit_blocks(self, req_id: ReqId, hit_tables: Sequence[Sequence[Block]],
@@ -306,18 +323,23 @@ class HybridCoordinator:
         for manager, hit_blocks in zip(self.managers, hit_tables, strict=True):
             manager.add_hit_blocks(req_id, hit_blocks, num_hit_tokens)
 
-    def allocate_new_blocks(self, req_id: ReqId, num_tokens: int) -> list[list[Block]]:
-        """Grow every group's table to cover ``num_tokens`` slots; records the slots all
-        tables cover (e.g. bs 16 and 64 tables of 3 and 1 blocks cover min(48, 64) = 48)."""
+    def allocate_new_blocks(self, req_id: ReqId, num_tokens: int,
+                            num_main_tokens: int | None = None) -> list[list[Block]]:
+        """Grow every group's table to cover ``num_tokens`` slots (``num_main_tokens`` for
+        groups that ignore lookahead); records the slots all tables cover (e.g. bs 16 and
+        64 tables of 3 and 1 blocks cover min(48, 64) = 48)."""
+        main = num_tokens if num_main_tokens is None else num_main_tokens
         if not self._units_are_batches:
-            new_blocks = [m.allocate_new_blocks(req_id, num_tokens) for m in self.managers]
+            new_blocks = [m.allocate_new_blocks(
+                req_id, main if m.ignores_lookahead else num_tokens) for m in self.managers]
         else:
             new_blocks = []
             for unit in self._units:
                 if isinstance(unit, SiblingBatch):
                     new_blocks.extend(unit.allocate_new_blocks(req_id, num_tokens))
                 else:
-                    new_blocks.append(unit.allocate_new_blocks(req_id, num_tokens))
+                    new_blocks.append(unit.allocate_new_blocks(
+                        req_id, main if unit.ignores_lookahead else num_tokens))
         self._covered_tokens[req_id] = min(len(m.tables[req_id]) * m.block_size
                                            for m in self._covering)
         return new_blocks

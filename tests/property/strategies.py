@@ -22,6 +22,7 @@ from hybridkv import (
     FullAttentionSpec,
     KVCacheManager,
     LayerSpec,
+    RecurrentStateSpec,
     SlidingWindowSpec,
 )
 from hybridkv.specs import CompressedAttentionSpec, CompressorStateSpec, SlidingWindowMLASpec
@@ -51,7 +52,8 @@ class HybridSetup:
 def layer_specs() -> st.SearchStrategy[tuple[LayerSpec, ...]]:
     """Random layer mixes, or (as often) a typical hybrid whose window groups have smaller
     blocks than the hit alignment, which is where sparse retention masks apply."""
-    return st.one_of(random_layer_specs(), typical_hybrid_specs(), v4_shaped_specs())
+    return st.one_of(random_layer_specs(), typical_hybrid_specs(), v4_shaped_specs(),
+                     recurrent_hybrid_specs())
 
 
 @st.composite
@@ -75,6 +77,18 @@ def v4_shaped_specs(draw: st.DrawFn) -> tuple[LayerSpec, ...]:
 
 
 @st.composite
+def recurrent_hybrid_specs(draw: st.DrawFn) -> tuple[LayerSpec, ...]:
+    """Full attention plus one or two recurrent groups (siblings), as Qwen3.5 or
+    Nemotron-H: one block size (unified, as vLLM plans them), sometimes a window group."""
+    bs = draw(st.sampled_from(BLOCK_SIZES))
+    specs: list[LayerSpec] = [FullAttentionSpec(bs, 1)]
+    specs += [RecurrentStateSpec(bs, 1)] * draw(st.integers(1, 2))
+    if draw(st.integers(0, 3)) == 0:
+        specs.append(SlidingWindowSpec(bs, 1, draw(st.integers(2, 2 * bs))))
+    return tuple(specs)
+
+
+@st.composite
 def typical_hybrid_specs(draw: st.DrawFn) -> tuple[LayerSpec, ...]:
     full_bs = draw(st.sampled_from((4, 8)))
     specs: list[LayerSpec] = [FullAttentionSpec(full_bs, 1)]
@@ -88,8 +102,8 @@ def typical_hybrid_specs(draw: st.DrawFn) -> tuple[LayerSpec, ...]:
 def random_layer_specs(draw: st.DrawFn) -> tuple[LayerSpec, ...]:
     """1–3 layers; identical specs are allowed (they become sibling groups of one spec)."""
     num_layers = draw(st.sampled_from((1, 2, 2, 3, 3)))  # mostly hybrid
-    kinds = draw(st.lists(st.sampled_from(("full", "swa", "chunked")), min_size=num_layers,
-                          max_size=num_layers))
+    kinds = draw(st.lists(st.sampled_from(("full", "swa", "chunked", "recurrent")),
+                          min_size=num_layers, max_size=num_layers))
     sizes = draw(st.lists(st.sampled_from(BLOCK_SIZES), min_size=num_layers,
                           max_size=num_layers))
     if "chunked" in kinds:
@@ -100,6 +114,8 @@ def random_layer_specs(draw: st.DrawFn) -> tuple[LayerSpec, ...]:
     for kind, bs in zip(kinds, sizes, strict=True):
         if kind == "full":
             specs.append(FullAttentionSpec(bs, 1))
+        elif kind == "recurrent":
+            specs.append(RecurrentStateSpec(bs, 1))
         elif kind == "swa":
             # windows from 1 token to 3 blocks of the largest size: smaller and larger
             # than one block, small ones favoured (they make sparse retention masks);
@@ -129,6 +145,9 @@ def hybrid_setups(draw: st.DrawFn, *, typical_tokens: int = 24,
         policy = f"pin:{draw(st.sampled_from((2, 8, 32)))}"
     else:
         policy = kind
+    if kind in ("prepend", "latest") and any(isinstance(s, RecurrentStateSpec) for s in layers) \
+            and draw(st.booleans()):
+        policy += "+ckpt:block"  # a checkpoint at every block end (not vLLM's chunk ends)
     groups = CacheConfig.from_layers(layers, 2).groups
     has_chunked = any(isinstance(s, ChunkedLocalSpec) for s in layers)
     use_eagle = draw(st.integers(0, 2)) == 0
@@ -147,9 +166,13 @@ def needed_blocks(spec: LayerSpec, num_tokens: int) -> range:
 
     Full attention: every block before it. Sliding window: the blocks of
     ``[p - (w - 1), p)``. Chunked local: the blocks of the current chunk before ``p``.
+    Recurrent state, at a hit position ``p`` (a block multiple): the checkpoint block
+    ending at ``p`` (a running request's state is its table's last block instead).
     """
     bs = spec.block_size
     end = -(-num_tokens // bs)
+    if isinstance(spec, RecurrentStateSpec):
+        return range(max(end - 1, 0), end)
     if isinstance(spec, SlidingWindowSpec):
         first = max(0, num_tokens - spec.sliding_window + 1)
     elif isinstance(spec, ChunkedLocalSpec):

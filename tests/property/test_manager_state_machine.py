@@ -52,7 +52,7 @@ from strategies import (
     v4_shaped_specs,
 )
 
-from hybridkv import KVCacheManager, PrefixHit, StaleHitError
+from hybridkv import KVCacheManager, PrefixHit, RecurrentStateSpec, StaleHitError
 from hybridkv.block import Block
 from hybridkv.hashing import BlockHasher
 from hybridkv.ids import BlockHash, GroupId
@@ -76,6 +76,8 @@ class ManagerMachine(RuleBasedStateMachine):
         config = self.manager.config
         self.align = config.alignment_tokens
         self.specs = [g.spec for g in config.groups]
+        self.has_recurrent = any(isinstance(s, RecurrentStateSpec) for s in self.specs)
+        self.every_block = setup.policy.endswith("+ckpt:block")
         self.hasher = BlockHasher(config.hash_block_size, config.hash_algo,
                                   config.hash_lookahead_tokens)
         self.lookahead = config.hash_lookahead_tokens
@@ -128,10 +130,20 @@ class ManagerMachine(RuleBasedStateMachine):
         self.retained[self.lifetime[req_id]] = (
             tuple(tokens[:end + self.lookahead]), boundaries,
             self.evictions_at_admission[req_id])
-        if not self.drops:
+        if not self.drops and not self.has_recurrent:
             self.check_boundaries_hashed(req_id, [b for b in boundaries if start <= b <= end])
         num_known = len(tokens) - self.lookahead
         for group_id, table in enumerate(self.manager.get_block_ids(req_id)):
+            if self.is_recurrent(group_id):
+                # the step wrote the state after exactly `end` tokens into the last block
+                # (ckpt:block: and the state at each block end it passed into that block)
+                if self.every_block:
+                    bs = self.specs[group_id].block_size
+                    for idx, block_id in enumerate(table[:-1]):
+                        if block_id and start < (idx + 1) * bs <= end:
+                            self.content[block_id] = self.expected(group_id, tokens, idx)
+                self.content[table[-1]] = (group_id, tuple(tokens[:end]))
+                continue
             bs = self.specs[group_id].block_size
             for idx, block_id in enumerate(table):
                 block_end = (idx + 1) * bs
@@ -141,6 +153,9 @@ class ManagerMachine(RuleBasedStateMachine):
                         and self.drafter_next.get(block_id) is None:
                     self.drafter_next[block_id] = tuple(
                         tokens[block_end : block_end + self.lookahead])
+
+    def is_recurrent(self, group_id: int) -> bool:
+        return isinstance(self.specs[group_id], RecurrentStateSpec)
 
     def check_hit(self, req_id: str, hit: PrefixHit) -> None:
         tokens = self.tokens(req_id)
@@ -170,7 +185,8 @@ class ManagerMachine(RuleBasedStateMachine):
                         f"with {tokens[end : end + self.lookahead]}")
         if not self.drops:
             assert p == self.brute_force_hit(tokens, limit), "hit is not maximal"
-            self.check_retention(tokens, p)
+            if not self.has_recurrent:  # recurrent checkpoints exist at chunk ends only
+                self.check_retention(tokens, p)
         if p:
             self.num_hits += 1
             event("admission with a prefix hit")
@@ -495,6 +511,9 @@ class ManagerMachine(RuleBasedStateMachine):
             for group_id, table in enumerate(self.manager.get_block_ids(req_id)):
                 spec = self.specs[group_id]
                 view = coarse_hashes(hashes, spec.block_size // self.hasher.block_size)
+                if self.is_recurrent(group_id):
+                    self.check_recurrent_table(req_id, group_id, tokens, computed, view)
+                    continue
                 for idx, block in enumerate(managers[group_id].tables[req_id]):
                     if block.block_hash is not None:
                         assert (idx + 1) * spec.block_size <= computed, (
@@ -509,6 +528,34 @@ class ManagerMachine(RuleBasedStateMachine):
                         assert got == self.expected(group_id, tokens, idx), (
                             f"{req_id} group {group_id} index {idx}: block {block_id} "
                             f"holds {got}")
+
+    def check_recurrent_table(self, req_id: str, group_id: int, tokens: Sequence[int],
+                              computed: int, view: Sequence[BlockHash]) -> None:
+        """The table's last block holds the state after exactly ``computed`` tokens; every
+        hashed block holds the state at its own end (so a hit there hands out exactly the
+        state at the hit point); at most the source and the target block are held."""
+        blocks = self.manager.coordinator.managers[group_id].tables[req_id]
+        bs = self.specs[group_id].block_size
+        assert not blocks[-1].is_null, f"{req_id} group {group_id}: no state block"
+        got = self.content.get(blocks[-1].block_id)
+        assert got == (group_id, tuple(tokens[:computed])), (
+            f"{req_id} group {group_id}: last block holds {got}, not the state at {computed}")
+        live = [b for b in blocks if not b.is_null]
+        assert self.every_block or len(live) <= 2, (
+            f"{req_id} group {group_id} holds {len(live)} state blocks")
+        for idx, block in enumerate(blocks):
+            if block.block_hash is None:
+                continue
+            assert block.block_hash == view[idx] and block.hash_group_id == group_id
+            got = self.content.get(block.block_id)
+            assert got == self.expected(group_id, tokens, idx), (
+                f"{req_id} group {group_id}: hashed block {block.block_id} at index {idx} "
+                f"holds {got}, not the state at {(idx + 1) * bs}")
+
+    @rule()
+    def new_step(self) -> None:
+        """A scheduler step boundary: checkpoints hashed before it become hittable."""
+        self.manager.new_step()
 
     @invariant()
     def idle_pool_is_all_free(self) -> None:

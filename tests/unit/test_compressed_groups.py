@@ -175,10 +175,10 @@ def test_state_tail_and_compressed_prefix_decide_the_hit() -> None:
     live = [i for i, b in enumerate(tables[state]) if not b.is_null]
     assert live[-4:] == [44, 45, 46, 47]  # window 8 → ceil(7 / 2) = 4 blocks: 88..95
     # the state block of tokens [90, 92) leaves: 96 misses, 80 still hits
-    manager.pool._evict(tables[state][45])
+    manager.pool._evict(manager.pool.blocks[tables[state][45].block_id])
     assert probe()[0] == 80
     # the compressed block of tokens [32, 48) leaves: no hit past 32
-    manager.pool._evict(tables[comp][2])
+    manager.pool._evict(manager.pool.blocks[tables[comp][2].block_id])
     assert probe()[0] == 32
     manager.check_invariants()
 

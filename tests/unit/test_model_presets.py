@@ -22,7 +22,8 @@ from hybridkv.sim.model import (
 )
 
 PRESETS = sorted(["dsv4-bench", "gemma3-1b", "gemma3-27b", "gemma3-bench", "gpt-oss-120b",
-                  "llama4-scout", "mistral-7b", "qwen3.5-27b",
+                  "jamba-v0.1", "llama4-scout", "mistral-7b", "nemotron-3-nano",
+                  "nemotron-h-56b", "qwen3-next-80b", "qwen3.5-27b",
                   "deepseek-v4-flash", "deepseek-v4-pro", "deepseek-v4.1-flash"])
 
 

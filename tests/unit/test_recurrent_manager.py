@@ -171,3 +171,49 @@ def test_model_file_errors_name_the_field() -> None:
                        'kind = "full_attention"\n[[layers]]\nkind = "recurrent_state"\n'
                        'state_bytes = 1000\n')
     assert {s.block_size for s in kept.layers} == {16}
+
+
+@pytest.mark.parametrize(("name", "block_size", "groups", "bytes_per_block"), [
+    # unified block = 16 * ceil(checkpoint / (16 * attention bytes per token)), see the files
+    ("qwen3.5-27b", 784, [("full_attention", 16)] + [("recurrent_state", 16)] * 3,
+     16 * 784 * 4096),
+    ("qwen3-next-80b", 544, [("full_attention", 12)] + [("recurrent_state", 12)] * 3,
+     12 * 544 * 2048),
+    ("nemotron-h-56b", 2080,
+     [("full_attention", 10)] + [("recurrent_state", 10)] * 5 + [("recurrent_state", 4)],
+     10 * 2080 * 4096),
+    ("nemotron-3-nano", 2096,
+     [("full_attention", 6)] + [("recurrent_state", 6)] * 3 + [("recurrent_state", 5)],
+     6 * 2096 * 1024),
+    ("jamba-v0.1", 80, [("full_attention", 4)] + [("recurrent_state", 4)] * 7, 4 * 80 * 4096),
+])
+def test_recurrent_presets(name: str, block_size: int, groups: list[tuple[str, int]],
+                           bytes_per_block: int) -> None:
+    config = load_model(name).cache_config(10)
+    assert {g.spec.block_size for g in config.groups} == {block_size}
+    assert [(g.spec.kind, len(g.layer_ids)) for g in config.groups] == groups
+    assert config.bytes_per_block == bytes_per_block
+    states = {g.spec.page_bytes for g in config.groups if isinstance(g.spec, RecurrentStateSpec)}
+    assert max(states) <= bytes_per_block // len(config.groups[0].layer_ids)
+
+
+def test_block_checkpoints_keep_a_state_at_every_block_end_and_hit_there() -> None:
+    layers = [FullAttentionSpec(BS, 8), RecurrentStateSpec(BS, 32)]
+    m = KVCacheManager(CacheConfig.from_layers(layers, 64), "prepend+ckpt:block")
+    assert m.policy_name == "prepend+ckpt:block"
+    m.add_request("a", list(range(30)))
+    assert m.align_prefill_chunk("a", 30) == 30  # chunks are not clipped
+    m.new_step()
+    m.allocate_slots("a", 14)           # one chunk: states at 4, 8, 12 and 14
+    blocks = m.coordinator.managers[1].tables["a"]
+    assert [b.block_hash is not None for b in blocks] == [True, True, True, False]
+    m.add_request("b", list(range(10)) + [7] * 5)
+    m.new_step()
+    hit = m.find_longest_hit("b")
+    assert hit.num_tokens == 8 and hit.blocks[1][-1].block_id == blocks[1].block_id
+    m.new_step()
+    m.allocate_slots("a", 2)            # [14, 16): the block of 12..16 gets the state at 16
+    assert blocks[3].block_hash is not None
+    m.check_invariants()
+    with pytest.raises(ConfigError, match="checkpoint policy"):
+        KVCacheManager(CacheConfig.from_layers(layers, 64), "prepend+ckpt:sometimes")

@@ -169,3 +169,16 @@ def test_long_context_grows_each_session_to_about_a_million_tokens() -> None:
     assert len(set(firsts)) == 16  # sessions share nothing
     with pytest.raises(ConfigError, match="last prompt"):
         make_workload("long-context", num_turns=200)
+
+
+def test_recurrent_report_workloads() -> None:
+    trace = make_workload("shared-prefix-suffix", num_prompts=6)
+    assert [r.input_length for r in trace.requests] == [6516, 6852, 7772, 6516, 6852, 7772]
+    prefix = trace.requests[0].token_ids[:6476]
+    assert all(r.token_ids[:6476] == prefix for r in trace.requests)
+    assert len({r.token_ids[6476] for r in trace.requests}) == 6  # unique suffixes
+    short = make_workload("short-prompts", num_prompts=10)
+    assert all(421 <= r.input_length <= 700 for r in short.requests)
+    assert len({r.token_ids[:400] for r in short.requests}) == 1
+    with pytest.raises(ConfigError, match="suffix_tokens"):
+        make_workload("shared-prefix-suffix", suffix_tokens="40,x")

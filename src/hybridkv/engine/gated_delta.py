@@ -34,7 +34,7 @@ from hybridkv.engine.recurrent import (
 
 Recurrence = Callable[..., tuple[torch.Tensor, list[torch.Tensor]]]
 """``(q, k, v, g, beta, state, *, stops) -> (outputs, states)``: ``gated_delta_reference``,
-``gated_delta_chunked`` or a ``functools.partial`` of it (chunk size, Triton hand-over)."""
+``gated_delta_chunked`` or a ``functools.partial`` of it (``Chunking``)."""
 
 RECURRENCES: dict[str, Recurrence] = {"reference": gated_delta_reference,
                                       "chunked": gated_delta_chunked}

@@ -27,10 +27,12 @@ from typing import Any, Final, Literal, cast
 
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
+from hybridkv.recurrent import gated_delta_net_state_bytes
 from hybridkv.specs import (
     ChunkedLocalSpec,
     FullAttentionSpec,
     LayerSpec,
+    RecurrentStateSpec,
     SlidingWindowSpec,
     kv_bytes_per_token,
 )
@@ -209,16 +211,19 @@ class ModelConfig:
         return (2 * self.linear_num_key_heads * self.linear_key_head_dim
                 + self.linear_num_value_heads * self.linear_value_head_dim)
 
-    def recurrent_state_bytes(self, dtype_bytes: int) -> int:
+    def recurrent_state_bytes(self, conv_dtype_bytes: int, ssm_dtype_bytes: int = 4) -> int:
         """Bytes of one ``linear_attention`` layer's checkpoint: conv inputs
-        ``(K - 1) * conv_dim`` plus state ``value_heads * dk * dv``.
+        ``(K - 1) * conv_dim`` plus state ``value_heads * dk * dv``
+        (``hybridkv.recurrent.gated_delta_net_state_bytes``).
 
-        >>> ModelConfig.qwen35_shape().recurrent_state_bytes(4)
-        3268608
+        >>> ModelConfig.qwen35_shape().recurrent_state_bytes(2)   # bf16 conv, fp32 state
+        3207168
         """
-        conv = (self.linear_conv_kernel_dim - 1) * self.linear_conv_dim
-        ssm = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
-        return (conv + ssm) * dtype_bytes
+        return gated_delta_net_state_bytes(
+            num_k_heads=self.linear_num_key_heads, num_v_heads=self.linear_num_value_heads,
+            head_k_dim=self.linear_key_head_dim, head_v_dim=self.linear_value_head_dim,
+            conv_kernel=self.linear_conv_kernel_dim, conv_dtype_bytes=conv_dtype_bytes,
+            ssm_dtype_bytes=ssm_dtype_bytes)
 
     @property
     def num_layers(self) -> int:
@@ -272,15 +277,16 @@ def layer_specs_for_model(config: ModelConfig, *, block_size: int, dtype_bytes: 
 def recurrent_layer_spec(config: ModelConfig, *, block_size: int,
                          state_dtype_bytes: int) -> LayerSpec:
     """The cache spec of a ``linear_attention`` layer: one checkpoint per block of
-    ``block_size`` tokens (vLLM's ``align`` mode), ``config.recurrent_state_bytes`` each.
+    ``block_size`` tokens (vLLM's ``align`` mode), ``config.recurrent_state_bytes`` each
+    (conv state in the model's dtype, SSM state in float32, or float64 for a float64
+    model: ``state_dtype_bytes`` is the model's).
 
-    Stand-in until the recurrent-state spec lands: a full-attention spec (keeps every
-    block, so every block boundary has its checkpoint) whose bytes per token spread one
-    checkpoint over the block; it never equals an attention layer's spec, so recurrent
-    layers get their own cache groups.
+    >>> cfg = ModelConfig.tiny(layer_types=qwen3_next_pattern(4))
+    >>> recurrent_layer_spec(cfg, block_size=8, state_dtype_bytes=8)
+    RecurrentStateSpec(block_size=8, state_bytes=3584)
     """
-    state = config.recurrent_state_bytes(state_dtype_bytes)
-    return FullAttentionSpec(block_size, -(-state // block_size) + 1)
+    return RecurrentStateSpec(block_size, config.recurrent_state_bytes(
+        state_dtype_bytes, ssm_dtype_bytes=max(4, state_dtype_bytes)))
 
 
 def cache_config_for_model(config: ModelConfig, *, num_blocks: int, block_size: int,

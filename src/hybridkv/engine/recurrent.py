@@ -23,8 +23,12 @@ Two paths compute the same function:
 
   so everything but ``S_0`` is computed for all chunks at once (batched triangular solves
   and matrix products); only ``U = U' - W S_0``, the outputs and the state hand-over run
-  chunk after chunk: a PyTorch loop (any device: CI tests it against the reference) or, on
-  CUDA with Triton, one fused kernel (``engine.recurrent_triton``).
+  chunk after chunk (``chunk_loop``, a PyTorch loop on any device; a fused kernel can
+  replace it through ``Chunking.hand_over``).
+
+Performance note: ``C = 64`` and block sizes that are multiples of it keep every
+checkpoint of a scheduled chunk inside one segment (one hand-over call per layer and
+chunk).
 
 Padding a segment with ``g = 0, b = 0, k = v = q = 0`` leaves the state unchanged, so
 segments of any length run on whole chunks.
@@ -115,34 +119,51 @@ def gated_delta_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     return outputs, states
 
 
-HandOver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                     torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""``(qg, attn, w, u_pre, kd, last_decay, state) -> (outputs [H, n, C, dv], final state)``:
-the sequential part of the chunked form (see ``chunk_loop``)."""
+@dataclass(frozen=True, slots=True)
+class ChunkTensors:
+    """Everything of the chunked form that does not depend on the state, for ``H`` heads and
+    ``n`` chunks of ``C`` tokens: ``qg = Q ⊙ γ``, ``w = T (K ⊙ γ)`` and ``kd = K ⊙ γ_C / γ``
+    ``[H, n, C, dk]``; ``attn = (Q Kᵀ ⊙ Γ)`` ``[H, n, C, C]``; ``u_pre = T V``
+    ``[H, n, C, dv]``; ``last_decay = γ_C`` ``[H, n]`` (all contiguous)."""
+
+    qg: torch.Tensor
+    attn: torch.Tensor
+    w: torch.Tensor
+    u_pre: torch.Tensor
+    kd: torch.Tensor
+    last_decay: torch.Tensor
 
 
-def chunk_loop(qg: torch.Tensor, attn: torch.Tensor, w: torch.Tensor, u_pre: torch.Tensor,
-               kd: torch.Tensor, last_decay: torch.Tensor,
-               state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk-by-chunk hand-over in PyTorch.
+HandOver = Callable[[ChunkTensors, torch.Tensor, Sequence[int]],
+                    tuple[torch.Tensor, list[torch.Tensor]]]
+"""``(chunks, state [H, dk, dv], saves) -> (outputs [H, n, C, dv], states)``: the
+sequential part of the chunked form; ``saves`` are chunk counts ``0 < c_1 < … < c_m = n``
+after which the state is returned (see ``chunk_loop``)."""
 
-    Shapes (``H`` heads, ``n`` chunks of ``C`` tokens): ``qg = Q ⊙ γ`` and ``w = T (K ⊙ γ)``
-    and ``kd = K ⊙ γ_C / γ`` ``[H, n, C, dk]``, ``attn`` ``[H, n, C, C]``, ``u_pre = T V``
-    ``[H, n, C, dv]``, ``last_decay = γ_C`` ``[H, n]``, ``state`` ``[H, dk, dv]``.
+
+def chunk_loop(chunks: ChunkTensors, state: torch.Tensor,
+               saves: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The chunk-by-chunk hand-over in PyTorch (any device)::
+
+        u = u_pre_i - w_i S;   o_i = qg_i S + attn_i u;   S = γ_C,i S + kd_iᵀ u
     """
     s = state
-    outputs = torch.empty_like(u_pre)
-    for i in range(qg.shape[1]):
-        u = u_pre[:, i] - w[:, i] @ s
-        outputs[:, i] = qg[:, i] @ s + attn[:, i] @ u
-        s = last_decay[:, i, None, None] * s + kd[:, i].transpose(-1, -2) @ u
-    return outputs, s
+    wanted = set(saves)
+    outputs = torch.empty_like(chunks.u_pre)
+    states: list[torch.Tensor] = []
+    for i in range(chunks.qg.shape[1]):
+        u = chunks.u_pre[:, i] - chunks.w[:, i] @ s
+        outputs[:, i] = chunks.qg[:, i] @ s + chunks.attn[:, i] @ u
+        s = chunks.last_decay[:, i, None, None] * s + chunks.kd[:, i].transpose(-1, -2) @ u
+        if i + 1 in wanted:
+            states.append(s)
+    return outputs, states
 
 
 @dataclass(frozen=True, slots=True)
 class Chunking:
     """How ``gated_delta_chunked`` runs: chunk length and the sequential hand-over
-    (``chunk_loop`` in PyTorch, or the fused Triton kernel on CUDA)."""
+    (``chunk_loop``, or any function of the ``HandOver`` signature)."""
 
     chunk_tokens: int = 64
     hand_over: HandOver = chunk_loop
@@ -155,27 +176,35 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     """The chunked form; same arguments and results as ``gated_delta_reference``.
 
     Computes in float64 for float64 inputs, else float32 (outputs cast back to ``v``'s
-    dtype, states stay float32). Each stop ends a segment; a segment is padded to whole
-    chunks (exact, see the module docstring).
+    dtype, states stay float32). Stops a whole number of chunks into a segment are saved
+    by the hand-over; any other stop ends a segment, padded to whole chunks (exact, see the
+    module docstring). With chunk-aligned stops (block sizes a multiple of the chunk) one
+    segment covers the whole call.
     """
     points = _check_stops(stops, q.shape[0])
+    size = chunking.chunk_tokens
     work = torch.float64 if v.dtype == torch.float64 else torch.float32
     s = state.to(work)
     outputs = []
     states: list[torch.Tensor] = []
     begin = 0
+    saves: list[int] = []
     for stop in points:
+        if (stop - begin) % size == 0 and stop != points[-1]:
+            saves.append((stop - begin) // size)
+            continue
         part = slice(begin, stop)
-        out, s = _segment((q[part], k[part], v[part], g[part], beta[part]), s, chunking,
-                          work)
+        out, saved = _segment((q[part], k[part], v[part], g[part], beta[part]), s, chunking,
+                              work, saves)
         outputs.append(out)
-        states.append(s)
-        begin = stop
+        states.extend(saved)
+        s = saved[-1]
+        begin, saves = stop, []
     return torch.cat(outputs).to(v.dtype), states
 
 
 def _segment(inputs: tuple[torch.Tensor, ...], state: torch.Tensor, chunking: Chunking,
-             work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+             work: torch.dtype, saves: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     q, k, v, g, beta = inputs
     chunk = chunking.chunk_tokens
     num_tokens, num_heads = g.shape
@@ -200,15 +229,16 @@ def _segment(inputs: tuple[torch.Tensor, ...], state: torch.Tensor, chunking: Ch
     rhs = torch.cat([vc * bc[..., None], kc * (bc * torch.exp(gc))[..., None]], dim=-1)
     solved = torch.linalg.solve_triangular(unit_lower, rhs, upper=False, unitriangular=True)
     u_pre, w = solved.split([vc.shape[-1], kc.shape[-1]], dim=-1)
-    attn = (qc @ kc.transpose(-1, -2)) * decay
-    qg = qc * torch.exp(gc)[..., None]
     last = gc[..., -1]
-    kd = kc * torch.exp(last[..., None] - gc)[..., None]
-    out, final = chunking.hand_over(qg.contiguous(), attn.contiguous(), w.contiguous(),
-                           u_pre.contiguous(), kd.contiguous(), torch.exp(last).contiguous(),
-                           state.contiguous())
+    chunks = ChunkTensors(
+        qg=(qc * torch.exp(gc)[..., None]).contiguous(),
+        attn=((qc @ kc.transpose(-1, -2)) * decay).contiguous(),
+        w=w.contiguous(), u_pre=u_pre.contiguous(),
+        kd=(kc * torch.exp(last[..., None] - gc)[..., None]).contiguous(),
+        last_decay=torch.exp(last).contiguous())
+    out, states = chunking.hand_over(chunks, state.contiguous(), [*saves, n])
     out = out.movedim(0, 2).reshape(n * chunk, num_heads, -1)
-    return out[:num_tokens], final
+    return out[:num_tokens], states
 
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, *,

@@ -48,7 +48,12 @@ if TYPE_CHECKING:
 DEFAULT_ATOL = 1e-9
 DEFAULT_POLICIES = ("dense", "reachable", "prepend", "latest", "interval:32", "pin:64",
                     "latest+recompute", "interval:32+recompute")
-PATTERNS = ("gemma3", "alternating", "llama4", "mixed", "v4")
+PATTERNS = ("gemma3", "alternating", "llama4", "mixed", "v4", "qwen3-next",
+            "recurrent-mixed")
+"""Layer patterns of ``--pattern`` (``all`` runs each in turn): ``qwen3-next`` is Gated
+DeltaNet : full attention 3 : 1 (Qwen3-Next / Qwen3.5), ``recurrent-mixed`` cycles
+Gated DeltaNet, sliding, full."""
+DEFAULT_TRACE_MAX_TOKENS = 192
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +203,55 @@ def run_verify(model: HybridDecoder, workload: Sequence[SchedRequest], *,
     return VerifyReport(s.atol, baseline.num_steps, baseline.num_preemptions, outcomes)
 
 
+def trace_workload(path: str, *, limit: int, max_prompt_tokens: int = DEFAULT_TRACE_MAX_TOKENS,
+                   output_tokens: int = 2) -> tuple[list[SchedRequest], int]:
+    """The first ``limit`` requests of a real trace as engine requests, and the stride.
+
+    Prompts are expanded from the trace (block hashes → token ids, replay-protocol.md),
+    then every ``stride``-th token is kept, ``stride = ceil(median prompt /
+    (max_prompt_tokens / 2))``, and the result is cut to ``max_prompt_tokens``, so a
+    float64 model on one CPU core verifies them in seconds. Both keep the sharing
+    structure: prompts equal on their first ``L`` tokens stay equal on their first
+    ``min(ceil(L / s), max_prompt_tokens)``. Sessions, phases and output lengths (capped at
+    ``output_tokens``, at least 1) carry over.
+
+    >>> import json, pathlib, tempfile
+    >>> rows = [{"timestamp": 0, "input_length": 1024, "output_length": 3, "hash_ids": [1, 2]},
+    ...         {"timestamp": 1, "input_length": 1536, "output_length": 1,
+    ...          "hash_ids": [1, 2, 3]}]
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "mooncake.jsonl"
+    >>> _ = path.write_text("".join(json.dumps(r) + chr(10) for r in rows))
+    >>> requests, stride = trace_workload(str(path), limit=2, max_prompt_tokens=64)
+    >>> stride, [len(r.prompt_token_ids) for r in requests]      # median 1536 / 32
+    (48, [22, 32])
+    >>> requests[1].prompt_token_ids[:22] == requests[0].prompt_token_ids
+    True
+
+    Raises:
+        TraceFormatError: the path is missing or malformed (``load_trace``).
+        ConfigError: ``limit`` or ``max_prompt_tokens`` below 1, or an empty slice.
+    """
+    from hybridkv.sim.loaders import load_trace
+    from hybridkv.sim.scheduler import SchedRequest
+    from hybridkv.sim.trace import expand_prompt
+
+    for name, value in (("limit", limit), ("trace-max-tokens", max_prompt_tokens),
+                        ("output-tokens", output_tokens)):
+        if value < 1:
+            raise ConfigError(name, value, "must be a positive integer")
+    trace = load_trace(path, limit=limit)
+    if not trace.requests:
+        raise ConfigError("trace", path, "holds no requests")
+    lengths = sorted(r.input_length for r in trace.requests)
+    stride = -(-lengths[len(lengths) // 2] // max(1, max_prompt_tokens // 2))
+    requests = [SchedRequest(r.request_id,
+                             expand_prompt(r, index)[::stride][:max_prompt_tokens],
+                             max(1, min(r.output_length, output_tokens)), r.session_id,
+                             r.phase, r.tag)
+                for index, r in enumerate(trace.requests)]
+    return requests, stride
+
+
 # ------------------------------------------------------------------------------ CLI
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``hybridkv verify``."""
@@ -206,6 +260,15 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=sorted(ENGINE_WORKLOADS), default="all",
                         help="synthetic workload with shared prefixes (default: all = "
                              "mixed, then bridges)")
+    parser.add_argument("--trace", default=None, metavar="PATH", type=non_empty_str,
+                        help="verify a slice of a real trace (any format replay reads) "
+                             "instead of a synthetic workload")
+    parser.add_argument("--limit", type=positive_int, default=24,
+                        help="with --trace: its first N requests (default 24)")
+    parser.add_argument("--trace-max-tokens", type=positive_int,
+                        default=DEFAULT_TRACE_MAX_TOKENS,
+                        help="with --trace: keep every s-th prompt token so the longest "
+                             f"prompt has at most this many (default {DEFAULT_TRACE_MAX_TOKENS})")
     parser.add_argument("--policy", default=",".join(DEFAULT_POLICIES), type=non_empty_str,
                         help="retention policies, comma separated "
                              f"(default: {','.join(DEFAULT_POLICIES)}; 'core' = "
@@ -221,11 +284,13 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scheduler token budget per step")
     parser.add_argument("--max-running", type=positive_int, default=4)
     parser.add_argument("--seed", type=non_negative_int, default=0, help="model and workload seed")
-    parser.add_argument("--pattern", choices=PATTERNS, default="gemma3",
+    parser.add_argument("--pattern", choices=(*PATTERNS, "all"), default="gemma3",
                         help="layer pattern: gemma3 (5 local : 1 global), alternating "
-                             "(gpt-oss), llama4 (chunked-local : global), mixed (all kinds), "
-                             "v4 (DeepSeek-V4-shaped: every layer a window, compressed "
-                             "C4 / C-hca layers after the first)")
+                             "(gpt-oss), llama4 (chunked-local : global), mixed (sliding, "
+                             "chunked, full), v4 (DeepSeek-V4-shaped: every layer a window, "
+                             "compressed C4 / C-hca layers after the first), qwen3-next "
+                             "(Gated DeltaNet : full 3 : 1), recurrent-mixed (Gated DeltaNet, "
+                             "sliding, full); all: each in turn")
     parser.add_argument("--layers", type=positive_int, default=4)
     parser.add_argument("--hidden", type=positive_int, default=32)
     parser.add_argument("--heads", type=positive_int, default=4)
@@ -267,7 +332,12 @@ def _policies(text: str) -> list[str]:
 
 
 def _layer_types(pattern: str, num_layers: int) -> tuple[str, ...]:
-    from hybridkv.engine.model_config import alternating_pattern, gemma3_pattern, llama4_pattern
+    from hybridkv.engine.model_config import (
+        alternating_pattern,
+        gemma3_pattern,
+        llama4_pattern,
+        qwen3_next_pattern,
+    )
 
     if pattern == "gemma3":
         return gemma3_pattern(num_layers, period=min(6, num_layers))
@@ -275,6 +345,11 @@ def _layer_types(pattern: str, num_layers: int) -> tuple[str, ...]:
         return alternating_pattern(num_layers)
     if pattern == "llama4":
         return llama4_pattern(num_layers, period=min(4, num_layers))
+    if pattern == "qwen3-next":
+        return qwen3_next_pattern(num_layers, interval=min(4, num_layers))
+    if pattern == "recurrent-mixed":
+        cycle = ("linear_attention", "sliding_attention", "full_attention")
+        return tuple(cycle[i % 3] for i in range(num_layers))
     if pattern == "v4":  # the raw window of every layer; compress ratios come separately
         return ("sliding_attention",) * num_layers
     kinds = ("sliding_attention", "chunked_attention", "full_attention")
@@ -314,34 +389,49 @@ def _run_verify_command(args: argparse.Namespace) -> int:
         raise ConfigError("verify", "torch", "install the engine extra; from a checkout: "
                           f"pip install -e '.[engine]' ({exc})") from exc
     torch.set_num_threads(1)  # test-sized matrices: threads cost more than they save
-    kinds = _layer_types(args.pattern, args.layers)
-    config = ModelConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-        layer_types=kinds,  # type: ignore[arg-type]
-        sliding_window=args.window, attention_chunk_size=args.attention_chunk)
-    model = HybridDecoder(config, dtype=torch.float64, seed=args.seed)
     settings = VerifySettings(block_size=args.block_size, full_block_size=args.full_block_size,
                               num_blocks=args.num_blocks, chunk_size=args.chunk_size,
                               max_running=args.max_running, atol=args.atol)
     alignment = math.lcm(args.block_size, args.full_block_size or args.block_size)
-    runner_factory: RunnerFactory | None = None
-    if args.pattern == "v4":
-        from hybridkv.engine.compressed_runner import v4_verify_setup
-
-        model, runner_factory, alignment, kinds = v4_verify_setup(
-            config, window_block_size=args.block_size, hca_ratio=args.hca_ratio,
-            compressed_block_size=args.compressed_block_size, index_topk=args.index_topk,
-            attention=args.attention, seed=args.seed)
-    workload = make_engine_workload(args.workload, alignment_tokens=alignment, seed=args.seed)
+    if args.trace is not None:
+        trace_requests, stride = trace_workload(args.trace, limit=args.limit,
+                                                max_prompt_tokens=args.trace_max_tokens)
     attention = reference_attention if args.attention == "reference" else sdpa_attention
-    report = run_verify(model, workload, policies=_policies(args.policy), eagle=args.eagle,
-                        settings=settings, attention=attention, runner_factory=runner_factory)
-    print(f"verify: {len(workload)} requests, pattern {args.pattern} {kinds}, "
-          f"block {args.block_size}, window {args.window}, chunk {args.chunk_size}, "
-          f"pool {args.num_blocks}; baseline (no caching): {report.baseline_steps} steps, "
-          f"{report.baseline_preemptions} preemptions")
-    for outcome in report.outcomes:
-        print(outcome.line())
-    print("all identical" if report.ok else "DIVERGENCE")
-    return 0 if report.ok else 1
+    ok = True
+    for pattern in PATTERNS if args.pattern == "all" else (args.pattern,):
+        kinds = _layer_types(pattern, args.layers)
+        config = ModelConfig(
+            vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+            num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+            layer_types=kinds,  # type: ignore[arg-type]
+            sliding_window=args.window, attention_chunk_size=args.attention_chunk)
+        model = HybridDecoder(config, dtype=torch.float64, seed=args.seed)
+        runner_factory: RunnerFactory | None = None
+        pattern_alignment = alignment
+        if pattern == "v4":
+            from hybridkv.engine.compressed_runner import v4_verify_setup
+
+            model, runner_factory, pattern_alignment, kinds = v4_verify_setup(
+                config, window_block_size=args.block_size, hca_ratio=args.hca_ratio,
+                compressed_block_size=args.compressed_block_size, index_topk=args.index_topk,
+                attention=args.attention, seed=args.seed)
+        if args.trace is not None:
+            workload = trace_requests
+            source = (f"trace {args.trace}: first {len(workload)} requests, every "
+                      f"{stride}th prompt token")
+        else:
+            workload = make_engine_workload(args.workload, alignment_tokens=pattern_alignment,
+                                            seed=args.seed)
+            source = f"workload {args.workload}"
+        report = run_verify(model, workload, policies=_policies(args.policy), eagle=args.eagle,
+                            settings=settings, attention=attention,
+                            runner_factory=runner_factory)
+        print(f"verify: {source}, {len(workload)} requests, pattern {pattern} {kinds}, "
+              f"block {args.block_size}, window {args.window}, chunk {args.chunk_size}, "
+              f"pool {args.num_blocks}; baseline (no caching): {report.baseline_steps} "
+              f"steps, {report.baseline_preemptions} preemptions")
+        for outcome in report.outcomes:
+            print(outcome.line())
+        ok = ok and report.ok
+    print("all identical" if ok else "DIVERGENCE")
+    return 0 if ok else 1

@@ -107,6 +107,9 @@ class GroupManager(ABC):
     eagle_margin: ClassVar[bool] = True
     """Under the EAGLE drop the coordinator lets the lookup peek one block past the cap
     (vLLM gives Mamba groups no margin: their finder never drops)."""
+    ignores_lookahead: ClassVar[bool] = False
+    """Lookahead (speculative) slots are not allocated in this group: drafters have no
+    recurrent layers (vLLM 0.33 align mode)."""
     has_step_state: ClassVar[bool] = False
     """The manager keeps per-step state that ``new_step`` clears."""
 

@@ -37,12 +37,32 @@ from typing import ClassVar
 
 from hybridkv.block import Block
 from hybridkv.config import CacheGroup
-from hybridkv.errors import InvariantViolation
+from hybridkv.errors import ConfigError, InvariantViolation
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers.base import GroupManager, blocks_in_every_group
 from hybridkv.policies import RetentionPolicy
 from hybridkv.pool import BlockPool, FreeTier
 from hybridkv.specs import LayerSpec, RecurrentStateSpec
+
+CHUNK_CHECKPOINTS = "ckpt:chunk"
+"""vLLM 0.33 align mode: a state is written at each step's end only (chunk ends aligned)."""
+BLOCK_CHECKPOINTS = "ckpt:block"
+"""Every block end a step passes gets its own block and state (the engine exports the
+state at each block end of a chunk, as chunked scans compute it anyway); chunks are not
+clipped, and the retention policy decides which of these checkpoints stay hashed."""
+CHECKPOINT_POLICIES = (CHUNK_CHECKPOINTS, BLOCK_CHECKPOINTS)
+
+
+def parse_checkpoint_policy(name: str) -> str:
+    """Validate a checkpoint policy name (``ckpt:chunk`` or ``ckpt:block``).
+
+    >>> parse_checkpoint_policy("ckpt:block")
+    'ckpt:block'
+    """
+    if name not in CHECKPOINT_POLICIES:
+        raise ConfigError("policy", name,
+                          f"unknown checkpoint policy; choose {' or '.join(CHECKPOINT_POLICIES)}")
+    return name
 
 
 class RecurrentStateManager(GroupManager):
@@ -51,6 +71,7 @@ class RecurrentStateManager(GroupManager):
     batches_siblings: ClassVar[bool] = False
     eagle_margin: ClassVar[bool] = False
     has_step_state: ClassVar[bool] = True
+    ignores_lookahead: ClassVar[bool] = True
 
     def __init__(self, group: CacheGroup, pool: BlockPool, retention: RetentionPolicy,
                  *, alignment_tokens: int, use_eagle: bool) -> None:
@@ -63,6 +84,8 @@ class RecurrentStateManager(GroupManager):
         self._has_run: set[ReqId] = set()
         """Requests that got their first state block (an allocation call happened)."""
         self._hashed_this_step: set[BlockHash] = set()
+        self.every_block = False
+        """``ckpt:block``: every block end a step passes receives its state."""
         self._state_tokens: dict[ReqId, dict[int, int]] = {}
         """Per request: table index → tokens of the state last written into that block
         (the last block receives the state at each step's end, ``note_computed``)."""
@@ -109,17 +132,30 @@ class RecurrentStateManager(GroupManager):
         """At most one new state block per step, plus the hit checkpoint if it sits in a
         free queue. A hit on a checkpoint hashed this step cannot be served before the
         step's forward pass writes it: more blocks than the pool has."""
-        del num_computed_tokens, admission_cap
+        del num_computed_tokens
         if hit_blocks and hit_blocks[-1].block_hash in self._hashed_this_step:
             return self.pool.num_blocks + 1
         table = self.tables.get(req_id)
         num_new = -(-num_tokens // self.block_size) - len(hit_blocks) - \
             (0 if table is None else len(table))
         num_evictable = sum(1 for b in hit_blocks if b.ref_count == 0 and not b.is_null)
+        if self.every_block:
+            num_new = max(num_new, 0)
+            if admission_cap is not None:
+                num_new = min(num_new, admission_cap)
+            return num_new + num_evictable
         return min(num_new, 1) + num_evictable
 
+    def admission_cap_blocks(self, max_num_batched_tokens: int, max_model_len: int | None,
+                             ) -> int | None:
+        """``ckpt:block``: a step holds the states of the block ends it passes (at most
+        ``ceil(in_flight / bs) + 1``) plus its source; ``ckpt:chunk``: one new block."""
+        del max_model_len
+        return -(-max_num_batched_tokens // self.block_size) + 2
+
     def num_blocks_to_grow(self, req_id: ReqId, num_tokens: int) -> int:
-        return min(1, super().num_blocks_to_grow(req_id, num_tokens))
+        needed = super().num_blocks_to_grow(req_id, num_tokens)
+        return needed if self.every_block else min(1, needed)
 
     def allocate_new_blocks(self, req_id: ReqId, num_tokens: int) -> list[Block]:
         """Append the block that receives the state after ``num_tokens`` tokens (index
@@ -134,6 +170,11 @@ class RecurrentStateManager(GroupManager):
             return []
         if num_held:  # the running state (or the hit checkpoint) is copied from here
             self._previous_state[req_id] = num_held - 1
+        if self.every_block:  # one block (and state) per block end, as full attention
+            new_blocks = self.pool.allocate(num_required - num_held)
+            table.extend(new_blocks)
+            self._has_run.add(req_id)
+            return new_blocks
         if num_held < num_required - 1:
             table.extend([self.pool.null_block] * (num_required - 1 - num_held))
         new_blocks = self.pool.allocate(1)
@@ -197,11 +238,21 @@ class RecurrentStateManager(GroupManager):
         if not table:
             return
         written = self._state_tokens.setdefault(req_id, {})
-        if not written:
-            for i, block in enumerate(table):
-                if not block.is_null:  # the hit checkpoint
-                    written[i] = (i + 1) * self.block_size
-        written[len(table) - 1] = num_computed_tokens
+        last = len(table) - 1
+        if self.every_block:  # block ends passed since the last note got their states
+            i = last - 1
+            while i >= 0 and not table[i].is_null \
+                    and written.get(i, 0) < (i + 1) * self.block_size:
+                written[i] = (i + 1) * self.block_size
+                i -= 1
+        written[last] = num_computed_tokens
+
+    def add_hit_blocks(self, req_id: ReqId, hit_blocks: Sequence[Block], num_hit_tokens: int,
+                       ) -> None:
+        """Start the table from the hit checkpoint: the state after its own end."""
+        super().add_hit_blocks(req_id, hit_blocks, num_hit_tokens)
+        if hit_blocks:
+            self._state_tokens[req_id] = {len(hit_blocks) - 1: len(hit_blocks) * self.block_size}
 
     def cache_plan(self, req_id: ReqId, hashes: Sequence[BlockHash], hash_block_size: int,
                    num_tokens: int, boundaries: Sequence[int], bridge_end_tokens: int = 0,

@@ -122,6 +122,8 @@ class RankedOrder(AdmissionOrder):
         """(-score, candidate index), ascending: best first."""
         self._cached: dict[str, tuple[tuple[int, int], PrefixHit]] = {}
         """Request id → (lookup version, hit) of its last probe."""
+        self._checked: dict[str, int] = {}
+        """Request id → hashes ever indexed at its last probe or growth check."""
         self.num_probes = 0
 
     @abstractmethod
@@ -138,6 +140,7 @@ class RankedOrder(AdmissionOrder):
         hit = probe.hit(request)
         self.num_probes += 1
         self._cached[request.req_id] = (version, hit)
+        self._checked[request.req_id] = version[1]
         return hit
 
     def _rank(self, candidates: Sequence[SchedRequest], probe: Probe,
@@ -157,14 +160,17 @@ class RankedOrder(AdmissionOrder):
                 hits.append(self._probe(request, probe, version))
                 continue
             hits.append(entry[1])
-            if entry[0][1] != version[1]:
+            if self._checked.get(request.req_id, entry[0][1]) != version[1]:
                 stale.append(index)
         scores = [self.score(r, h) for r, h in zip(candidates, hits, strict=True)]
         best = max(scores)
+        checked = self._checked
         for index in stale:
             request, hit = candidates[index], hits[index]
-            if self.ceiling(request) > best and \
-                    probe.may_extend(request, hit.num_tokens, _matched_tokens(hit)):
+            if self.ceiling(request) <= best:
+                continue
+            checked[request.req_id] = version[1]  # no re-check until more is indexed
+            if probe.may_extend(request, hit.num_tokens, _matched_tokens(hit)):
                 scores[index] = self.score(request, self._probe(request, probe, version))
         return sorted((-score, i) for i, score in enumerate(scores))
 
@@ -193,6 +199,7 @@ class RankedOrder(AdmissionOrder):
 
     def forget(self, request: SchedRequest) -> None:
         self._cached.pop(request.req_id, None)
+        self._checked.pop(request.req_id, None)
 
 
 class LongestHitOrder(RankedOrder):

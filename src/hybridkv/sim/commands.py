@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError, HybridKVError, PoolTooSmallError
 from hybridkv.eviction import parse_eviction
+from hybridkv.managers.recurrent import parse_checkpoint_policy
 from hybridkv.policies import CORE_POLICIES, make_retention_policy, split_policy_name
 from hybridkv.sim.admission import parse_admissions
 from hybridkv.sim.bound import offline_optimum
@@ -144,7 +145,10 @@ def parse_policies(text: str, has_sessions: bool = False) -> list[str]:
             try:
                 retention, modifiers = split_policy_name(name)
                 make_retention_policy(retention)  # unknown names fail here, before any replay
-                parse_eviction([m for m in modifiers if m != "recompute"])
+                for checkpoints in (m for m in modifiers if m.startswith("ckpt:")):
+                    parse_checkpoint_policy(checkpoints)
+                parse_eviction([m for m in modifiers
+                                if m != "recompute" and not m.startswith("ckpt:")])
             except ConfigError as err:
                 raise _policy_error(name, err) from err
             expanded.append(name)

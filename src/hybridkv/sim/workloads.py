@@ -272,6 +272,77 @@ def long_context(num_sessions: int = 16, num_turns: int = 8, first_prompt_tokens
     return Trace("long-context", tuple(requests))
 
 
+def shared_prefix_suffix(num_prompts: int = 48, prefix_tokens: int = 6476,
+                         suffix_tokens: str = "40,376,1296", output_tokens: int = 16,
+                         seed: int = 0) -> Trace:
+    """One shared prefix, then unique suffixes whose lengths cycle through
+    ``suffix_tokens`` (the SGLang Mamba radix-cache report, sgl#22935: a 6,476-token prefix
+    hit 0.992 with 40-token suffixes and 0.000 with 376 or 1,296). The first prompt runs
+    in phase 0 (tag ``first``), the rest in phase 1 (tag ``suffix-<n>``).
+
+    >>> t = make_workload("shared-prefix-suffix", num_prompts=3, prefix_tokens=4,
+    ...                   suffix_tokens="1,2")
+    >>> [(r.input_length, r.tag) for r in t.requests]
+    [(5, 'first'), (6, 'suffix-2'), (5, 'suffix-1')]
+    """
+    _require_int("num_prompts", num_prompts, minimum=1)
+    _require_int("prefix_tokens", prefix_tokens, minimum=0)
+    _require_int("output_tokens", output_tokens, minimum=0)
+    suffixes = _int_list("suffix_tokens", suffix_tokens)
+    _require_prompt_tokens("prefix_tokens + suffix_tokens", prefix_tokens + max(suffixes))
+    ids = _TokenIds(seed)
+    prefix = ids.content(prefix_tokens)
+    requests = []
+    for index in range(num_prompts):
+        suffix = suffixes[index % len(suffixes)]
+        requests.append(_request(f"p{index}", prefix + ids.content(suffix), output_tokens,
+                                 phase=0 if index == 0 else 1,
+                                 tag="first" if index == 0 else f"suffix-{suffix}"))
+    return Trace("shared-prefix-suffix", tuple(requests))
+
+
+def short_prompts(num_prompts: int = 64, system_tokens: int = 400, min_user_tokens: int = 20,
+                  max_user_tokens: int = 300, output_tokens: int = 16, seed: int = 0) -> Trace:
+    """Many prompts shorter than a hybrid model's unified block (Qwen3.5: 528-784 tokens)
+    that share one system prompt (vllm#40696: 0% hits under 528 tokens). User turns have
+    ``min_user_tokens``-``max_user_tokens`` unique tokens (seeded). The first prompt runs in
+    phase 0, the rest in phase 1.
+
+    >>> t = make_workload("short-prompts", num_prompts=2, system_tokens=3,
+    ...                   min_user_tokens=1, max_user_tokens=1)
+    >>> [r.token_ids for r in t.requests]
+    [(0, 1, 2, 3), (0, 1, 2, 4)]
+    """
+    _require_int("num_prompts", num_prompts, minimum=1)
+    _require_int("system_tokens", system_tokens, minimum=0)
+    _require_int("min_user_tokens", min_user_tokens, minimum=1)
+    _require_int("max_user_tokens", max_user_tokens, minimum=min_user_tokens)
+    _require_prompt_tokens("system_tokens + max_user_tokens", system_tokens + max_user_tokens)
+    _require_int("output_tokens", output_tokens, minimum=0)
+    ids = _TokenIds(seed)
+    rng = random.Random(seed)
+    system = ids.content(system_tokens)
+    requests = [
+        _request(f"p{index}", system + ids.content(rng.randint(min_user_tokens,
+                                                               max_user_tokens)),
+                 output_tokens, phase=0 if index == 0 else 1)
+        for index in range(num_prompts)
+    ]
+    return Trace("short-prompts", tuple(requests))
+
+
+def _int_list(field: str, text: object) -> list[int]:
+    """``"40,376,1296"`` → ``[40, 376, 1296]`` (positive integers)."""
+    try:
+        values = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise ConfigError(field, text, "give comma-separated token counts, e.g. 40,376,1296") \
+            from None
+    for value in values:
+        _require_int(field, value, minimum=1)
+    return values
+
+
 WorkloadFn = Callable[..., Trace]
 
 WORKLOADS: Final[Mapping[str, WorkloadFn]] = {
@@ -280,6 +351,8 @@ WORKLOADS: Final[Mapping[str, WorkloadFn]] = {
     "aba": aba,
     "shared-prefix": shared_prefix,
     "long-context": long_context,
+    "shared-prefix-suffix": shared_prefix_suffix,
+    "short-prompts": short_prompts,
 }
 """Workload name → generator; each generator's keyword defaults document its shape."""
 
