@@ -26,10 +26,11 @@ index in its group. Reading or writing an item whose table entry is the null blo
 the table, or out of the pool raises ``InvariantViolation`` naming request, layer, role and
 position; with ``poison`` fresh pages hold NaN.
 
-**Specs (until the compressed specs land).** window: ``SlidingWindowSpec(bs, w)``; entries
-and indexer: ``FullAttentionSpec(block_size)`` (a hit needs every entry from 0, like full
-attention); state and indexer state: ``SlidingWindowSpec(4 for C4 else 8, halves * r)``
-(V4's compressor-state specs).
+**Specs** (``docs/design.md``, "DeepSeek-V4 groups"; per layer in vLLM 0.33's registration
+order: indexer keys, indexer state, window, entries, state): window
+``SlidingWindowMLASpec(bs, w)``; entries and indexer keys ``CompressedAttentionSpec(bs,
+tokens_per_state=r, role="kv" | "indexer")`` (full-attention-like: a hit needs every entry
+from 0); state and indexer state ``CompressorStateSpec(4 for C4 else 8, halves * r)``.
 
 **One chunk ``[start, end)`` of a compressed layer** (``engine.compressed`` for the math)::
 
@@ -47,7 +48,6 @@ the floor.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NoReturn
@@ -77,7 +77,12 @@ from hybridkv.engine.runner import EngineRunner, RunOptions, _Work
 from hybridkv.engine.verify import VerifySettings
 from hybridkv.errors import ConfigError, InvariantViolation
 from hybridkv.sim.scheduler import ScheduledChunk
-from hybridkv.specs import FullAttentionSpec, LayerSpec, SlidingWindowSpec
+from hybridkv.specs import (
+    CompressedAttentionSpec,
+    CompressorStateSpec,
+    LayerSpec,
+    SlidingWindowMLASpec,
+)
 
 CacheRole = Literal["window", "entries", "state", "indexer", "indexer_state"]
 
@@ -115,10 +120,13 @@ class CompressedCacheLayout:
         dtype_bytes: bytes per stored element (spec sizes only).
 
     >>> layout = CompressedCacheLayout(CompressedModelConfig.tiny())
-    >>> [(c.layer_id, c.role, c.spec.block_size, c.rows_per_block()) for c in layout.layers][:4]
-    [(0, 'window', 8, 8), (1, 'window', 8, 8), (1, 'entries', 32, 8), (1, 'state', 4, 4)]
-    >>> layout.cache_config(num_blocks=64).alignment_tokens
-    32
+    >>> [(c.role, c.spec.block_size, c.rows_per_block()) for c in layout.layers[1:6]]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [('indexer', 32, 8), ('indexer_state', 4, 4), ('window', 8, 8), ('entries', 32, 8),
+     ('state', 4, 4)]
+    >>> config = layout.cache_config(num_blocks=64)    # block-outermost packed groups
+    >>> config.alignment_tokens, [(g.spec.kind, g.layer_ids) for g in config.groups][2]
+    (32, ('compressed_attention', (1, 4, 7, 9, 12)))
     """
 
     shape: CompressedModelConfig
@@ -136,33 +144,39 @@ class CompressedCacheLayout:
         kvh_d = base.num_kv_heads * base.head_dim
         layers: list[CacheLayer] = []
         for layer_id, ratio in enumerate(self.shape.compress_ratios):
-            layers.append(CacheLayer(layer_id, "window", SlidingWindowSpec(
+            window = CacheLayer(layer_id, "window", SlidingWindowMLASpec(
                 self.window_block_size, 2 * kvh_d * self.dtype_bytes, self.shape.window),
-                1, 2 * kvh_d))
+                1, 2 * kvh_d)
             if not ratio:
+                layers.append(window)
                 continue
             if self.compressed_block_size % ratio:
                 raise ConfigError("compressed_block_size", self.compressed_block_size,
                                   f"must be a multiple of every compress ratio (layer "
                                   f"{layer_id}: {ratio})")
-            rule = self.shape.rule(layer_id)
-            width = self.shape.state_width(layer_id)
-            layers.append(CacheLayer(layer_id, "entries", FullAttentionSpec(
-                self.compressed_block_size, math.ceil(kvh_d * self.dtype_bytes / ratio)),
-                ratio, kvh_d))
-            state_block = V4_STATE_BLOCK_C4 if rule.halves == 2 else V4_STATE_BLOCK_OTHER
-            layers.append(CacheLayer(layer_id, "state", SlidingWindowSpec(
-                state_block, 2 * width * self.dtype_bytes, rule.state_window), 1, 2 * width))
             if self.shape.has_indexer(layer_id):
-                dim = self.shape.index_head_dim
-                index_width = self.shape.state_width(layer_id, indexer=True)
-                layers.append(CacheLayer(layer_id, "indexer", FullAttentionSpec(
-                    self.compressed_block_size, math.ceil(dim * self.dtype_bytes / ratio)),
-                    ratio, dim))
-                layers.append(CacheLayer(layer_id, "indexer_state", SlidingWindowSpec(
-                    state_block, 2 * index_width * self.dtype_bytes, rule.state_window),
-                    1, 2 * index_width))
+                layers.extend(self._compressor_layers(layer_id, indexer=True))
+            layers.append(window)
+            layers.extend(self._compressor_layers(layer_id, indexer=False))
         object.__setattr__(self, "layers", tuple(layers))
+
+    def _compressor_layers(self, layer_id: int, *, indexer: bool) -> list[CacheLayer]:
+        """The entries (or indexer keys) and the compressor state of one compressor."""
+        rule = self.shape.rule(layer_id)
+        ratio = rule.compress_ratio
+        base = self.shape.base
+        dim = self.shape.index_head_dim if indexer else base.num_kv_heads * base.head_dim
+        width = self.shape.state_width(layer_id, indexer=indexer)
+        state_block = V4_STATE_BLOCK_C4 if rule.halves == 2 else V4_STATE_BLOCK_OTHER
+        entries = CacheLayer(layer_id, "indexer" if indexer else "entries",
+                             CompressedAttentionSpec(
+                                 self.compressed_block_size, tokens_per_state=ratio,
+                                 entry_bytes=dim * self.dtype_bytes,
+                                 role="indexer" if indexer else "kv"), ratio, dim)
+        state = CacheLayer(layer_id, "indexer_state" if indexer else "state",
+                           CompressorStateSpec(state_block, 2 * width * self.dtype_bytes,
+                                               rule.state_window), 1, 2 * width)
+        return [entries, state]
 
     def cache_layer(self, layer_id: int, role: CacheRole) -> int:
         """Index of decoder layer ``layer_id``'s ``role`` cache layer."""
