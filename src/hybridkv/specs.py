@@ -173,17 +173,17 @@ class CompressedAttentionSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True, slots=True)
-class SlidingWindowMLASpec(SlidingWindowSpec):
-    """DeepSeek-V4's sliding-window branch (every layer, MTP included): window semantics of
-    ``SlidingWindowSpec`` plus a padded page (V4.1's ``swa_bounded_replay`` is the
-    ``bounded-replay`` retention policy, not a spec field).
+class PaddedWindowSpec(SlidingWindowSpec):
+    """Window semantics with a page padded to ``page_alignment_bytes``, packed
+    block-outermost (vLLM 0.33's DeepSeek-V4 layout): the shared page math of the V4 window
+    branch and the compressor state.
 
-    >>> SlidingWindowMLASpec(64, 584, 128, page_alignment_bytes=576).page_bytes  # 64 * 584
-    37440
+    >>> PaddedWindowSpec(4, 10, 8, page_alignment_bytes=16).page_bytes  # 40 → 48
+    48
     """
 
     page_alignment_bytes: int = 1
-    kind: ClassVar[str] = "sliding_window_mla"
+    kind: ClassVar[str] = "padded_window"
     packs_block_outermost: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
@@ -196,7 +196,20 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
 
 
 @dataclass(frozen=True, slots=True)
-class CompressorStateSpec(SlidingWindowSpec):
+class SlidingWindowMLASpec(PaddedWindowSpec):
+    """DeepSeek-V4's sliding-window branch (every layer, MTP included): window semantics of
+    ``SlidingWindowSpec`` plus a padded page (V4.1's ``swa_bounded_replay`` is the
+    ``bounded-replay`` retention policy, not a spec field).
+
+    >>> SlidingWindowMLASpec(64, 584, 128, page_alignment_bytes=576).page_bytes  # 64 * 584
+    37440
+    """
+
+    kind: ClassVar[str] = "sliding_window_mla"
+
+
+@dataclass(frozen=True, slots=True)
+class CompressorStateSpec(PaddedWindowSpec):
     """DeepSeek-V4 compressor residual state (fp32 kv + score rows of the tokens not yet
     folded into an entry): window-like, ``kv_bytes_per_token`` state bytes per token.
     C4 (overlapping): window 2 * 4 = 8, block 4; C128: window 128, block 8 (vLLM 0.33 fixes
@@ -207,17 +220,7 @@ class CompressorStateSpec(SlidingWindowSpec):
     (2, 32832)
     """
 
-    page_alignment_bytes: int = 1
     kind: ClassVar[str] = "compressor_state"
-    packs_block_outermost: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        SlidingWindowSpec.__post_init__(self)
-        _require_positive("page_alignment_bytes", self.page_alignment_bytes)
-
-    @property
-    def page_bytes(self) -> int:
-        return round_up(self.block_size * self.kv_bytes_per_token, self.page_alignment_bytes)
 
 
 @dataclass(frozen=True, slots=True)
