@@ -615,6 +615,22 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_busy(process: subprocess.Popen[str], cpu_seconds: float) -> None:
+    """Wait until ``process`` has used ``cpu_seconds`` of CPU: past its imports and into the
+    work however loaded the machine is (a wall-clock sleep is not, on a busy 2-core box)."""
+    assert _wait_for(lambda: process.poll() is not None
+                     or _cpu_seconds(process.pid) >= cpu_seconds, 120)
+
+
 def _wait_for(predicate: object, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -641,7 +657,7 @@ needs_proc = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="ne
 ])
 def test_ctrl_c_is_one_line_and_exit_130(command: list[str], tmp_path: Path) -> None:
     process = _spawn(command, tmp_path)
-    time.sleep(2.5)  # past the imports and into the replay
+    _wait_busy(process, 2.5)  # past the imports and into the replay
     assert process.poll() is None, process.communicate()
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=30)
@@ -685,7 +701,7 @@ def test_ctrl_c_in_check_trace(tmp_path: Path) -> None:
     line = json.dumps({"block_ids": list(range(64)), "block_size": 16, "output_length": 1})
     trace.write_text((line + "\n") * 200_000)
     process = _spawn(["check-trace", str(trace)], tmp_path)
-    time.sleep(1.5)
+    _wait_busy(process, 1.5)
     assert process.poll() is None, process.communicate()
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=30)
