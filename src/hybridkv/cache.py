@@ -15,11 +15,13 @@ Token ranges at an ``allocate_slots`` call (half-open)::
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.block import Block
+from hybridkv.branch import BlockCopy
 from hybridkv.config import CacheConfig
 from hybridkv.coordinator import HybridCoordinator
 from hybridkv.errors import (
@@ -35,7 +37,11 @@ from hybridkv.eviction import EvictionOptions, EvictionPolicy, parse_eviction
 from hybridkv.hashing import BlockHasher, ExtraKeys
 from hybridkv.ids import BlockHash, ReqId
 from hybridkv.managers import coarse_hashes
-from hybridkv.managers.recurrent import CHUNK_CHECKPOINTS, parse_checkpoint_policy
+from hybridkv.managers.recurrent import (
+    CHUNK_CHECKPOINTS,
+    branch_unit_tokens,
+    parse_checkpoint_policy,
+)
 from hybridkv.policies import (
     PrependPolicy,
     RetentionPolicy,
@@ -170,6 +176,9 @@ class KVCacheManager:
         if not config.enable_caching:
             policy = PrependPolicy()  # nothing is hashed: every freed block is scratch
             eviction = EvictionOptions()
+        unit = branch_unit_tokens(self.checkpoints, config.groups[0].spec.block_size)
+        if unit is not None and config.prefix_match_unit is None:  # sub-block hash unit
+            config = dataclasses.replace(config, prefix_match_unit=unit)
         self.config = config
         self.retention = policy
         self.eviction = eviction
@@ -394,6 +403,8 @@ class KVCacheManager:
     def _record_admission(self, state: _RequestState, num_hit: int,
                           hit_tables: Sequence[Sequence[Block]], hit: PrefixHit | None) -> None:
         self.stats.record(state.token_ids.num_tokens, num_hit, preempted=state.num_admissions > 0)
+        if state.num_admissions == 0:
+            self.coordinator.note_admission(state.block_hashes)
         for group_id, table in enumerate(hit_tables):
             self.stats.hit_blocks_by_group[group_id] += sum(1 for b in table if not b.is_null)
         state.num_admissions += 1
@@ -435,6 +446,13 @@ class KVCacheManager:
         """Per-step hook: a scheduler calls it before planning each step (recurrent groups
         defer hits on checkpoints hashed in the current step)."""
         self.coordinator.new_step()
+
+    def take_block_copies(self) -> list[BlockCopy]:
+        """``ckpt:branch``: the block copies the engine runs for the allocations since the
+        last call (copy-on-write hits before the forward pass, snapshots after it); empty
+        for every other policy. Undrained copies are dropped at ``new_step``."""
+        branch = self.coordinator.branch
+        return [] if branch is None else branch.take_copies()
 
     def align_prefill_chunk(self, req_id: ReqId, num_new_tokens: int,
                             hit: PrefixHit | None = None, *,
@@ -646,8 +664,8 @@ class KVCacheManager:
                 if covered < self.coordinator.covered_tokens(req_id):
                     raise InvariantViolation(f"{req_id!r}: group {manager.group_id} covers "
                                              f"{covered} slots, fewer than remembered")
-        for manager in self.coordinator.managers:
-            check = getattr(manager, "check_invariants", None)
+        for checked in (*self.coordinator.managers, self.coordinator.branch):
+            check = getattr(checked, "check_invariants", None)
             if check is not None:
                 check()
         for req_id, state in self._requests.items():

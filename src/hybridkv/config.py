@@ -99,6 +99,9 @@ class CacheConfig:
             drop mode. Groups with an identical spec share the flag when any of them has it.
         max_num_batched_tokens: tokens in flight per step; caps a window group's admission need.
         max_model_len: longest sequence; ``None`` means unbounded.
+        prefix_match_unit: hash granularity finer than the groups' gcd (vLLM 0.33's
+            ``prefix_match_unit``); must divide every prefix-cacheable group's block size.
+            ``None``: the gcd. Sub-block hits (``ckpt:branch``) hash at it.
     """
 
     groups: tuple[CacheGroup, ...]
@@ -111,6 +114,7 @@ class CacheConfig:
     eagle_block_drop: bool = False
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
+    prefix_match_unit: int | None = None
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -135,6 +139,13 @@ class CacheConfig:
                               "must be a positive number of tokens")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError("max_model_len", self.max_model_len, "must be positive or None")
+        unit = self.prefix_match_unit
+        if unit is not None:
+            sizes = [g.spec.block_size for g in self.groups if is_prefix_cacheable(g.spec)]
+            if isinstance(unit, bool) or not isinstance(unit, int) or unit <= 0 \
+                    or any(size % unit for size in sizes):
+                raise ConfigError("prefix_match_unit", unit,
+                                  f"must be a positive divisor of every block size {sizes}")
 
     @classmethod
     def from_layers(cls, layer_specs: Sequence[LayerSpec], num_blocks: int,
@@ -175,6 +186,8 @@ class CacheConfig:
     def hash_block_size(self) -> int:
         """Granularity of request block hashes: the gcd of the prefix-cacheable groups'
         block sizes (all groups when none is; V4.1's ring buffers never hash)."""
+        if self.prefix_match_unit is not None:
+            return self.prefix_match_unit
         sizes = [g.spec.block_size for g in self.groups if is_prefix_cacheable(g.spec)]
         return math.gcd(*(sizes or [g.spec.block_size for g in self.groups]))
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridkv.block import Block
+from hybridkv.branch import BranchSnapshots
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
 from hybridkv.ids import BlockHash, GroupId, ReqId
@@ -26,6 +27,7 @@ from hybridkv.managers.recurrent import (
     CHUNK_CHECKPOINTS,
     RecurrentStateManager,
     align_recurrent_chunk,
+    branch_unit_tokens,
 )
 from hybridkv.policies import RetentionPolicy
 from hybridkv.pool import BlockPool
@@ -130,6 +132,8 @@ class HybridCoordinator:
             m.admission_cap_blocks(config.max_num_batched_tokens, config.max_model_len)
             for m in self.managers
         ]
+        self.branch = _make_branch(config, pool, checkpoints)
+        """``ckpt:branch``: sub-block hits (snapshots, copy-on-write, seen prefixes)."""
 
     def _make_units(self) -> list[GroupManager | SiblingBatch]:
         """Consecutive sibling groups batched (without an eviction policy, which may relink
@@ -214,7 +218,30 @@ class HybridCoordinator:
                 keep = -(-hit // sg.spec.block_size)
                 for gid in sg.group_ids:
                     del tables[gid][keep:]
+        if self.branch is not None:
+            return self._branch_hit(hashes, tables, hit, longest, max_num_tokens)
         return tables, hit, longest - hit
+
+    def _branch_hit(self, hashes: Sequence[BlockHash], tables: list[list[Block]], hit: int,
+                    longest: int, max_num_tokens: int) -> tuple[list[list[Block]], int, int]:
+        """``ckpt:branch``: a deeper hit inside a block on a snapshot, and the branch point
+        (the deepest seen prefix) as the junction when it lies past the hit."""
+        branch = self.branch
+        assert branch is not None
+        full_tokens, full_tables = self._last_full_attention
+        full_ids = [m.group_id for m in self.managers if m.is_full_attention]
+        found = branch.find_partial_hit(hashes, hit, full_tokens, full_tables, full_ids,
+                                        max_num_tokens)
+        if found is not None:
+            tables, hit = found
+        u = branch.unit_tokens
+        seen = branch.seen.deepest(hashes, hit // u, min(max_num_tokens // u, len(hashes)))
+        junction = max(longest, seen * u)
+        return tables, hit, max(junction - hit, 0)
+
+    def is_partial_hit(self, num_hit_tokens: int) -> bool:
+        """A ``ckpt:branch`` hit inside a block (served by copy-on-write)."""
+        return self.branch is not None and num_hit_tokens % self.alignment_tokens != 0
 
     def _full_attention_answer(self, tables: list[list[Block]], answers: dict[int, int],
                                ) -> tuple[int, list[list[Block]]]:
@@ -278,12 +305,25 @@ class HybridCoordinator:
                 req_id, tokens, hit_blocks, num_computed_tokens,
                 cap if apply_admission_cap else None,
             )
+        if self.is_partial_hit(num_computed_tokens) and hit_tables[0] \
+                and req_id not in self.managers[0].tables:
+            assert self.branch is not None
+            if self.branch.is_fresh([t[-1] for t in hit_tables]):
+                return self.pool.num_blocks + 1  # written by this step: admit next step
+            total += len(self.managers)  # copy-on-write: a fresh block per group
         return total
 
     def new_step(self) -> None:
         """A scheduler step starts: managers with per-step state reset it."""
         for manager in self._step_managers:
             manager.new_step()
+        if self.branch is not None:
+            self.branch.new_step()
+
+    def note_admission(self, hashes: Sequence[BlockHash]) -> None:
+        """A request's first admission: ``ckpt:branch`` remembers its prefixes."""
+        if self.branch is not None:
+            self.branch.seen.add(hashes)
 
     def align_prefill_chunk(self, num_computed_tokens: int, num_new_tokens: int,
                             num_tokens: int, num_prompt_tokens: int, junction_tokens: int,
@@ -297,7 +337,8 @@ class HybridCoordinator:
             num_computed_tokens, num_new_tokens, num_tokens=num_tokens,
             num_prompt_tokens=num_prompt_tokens, junction_tokens=junction_tokens,
             block_size=self._recurrent_block_size,
-            max_chunk_tokens=max_chunk_tokens)
+            max_chunk_tokens=max_chunk_tokens,
+            hit_unit_tokens=0 if self.branch is None else self.branch.unit_tokens)
 
     def covered_tokens(self, req_id: ReqId) -> int:
         """Slots every group's table covered after the request's last allocation (0 when
@@ -319,7 +360,20 @@ class HybridCoordinator:
 
     def add_hit_blocks(self, req_id: ReqId, hit_tables: Sequence[Sequence[Block]],
                        num_hit_tokens: int) -> None:
-        """Touch every group's hit blocks before any group allocates (no double hand-out)."""
+        """Touch every group's hit blocks before any group allocates (no double hand-out).
+        A ``ckpt:branch`` hit inside a block gets a fresh copy of each snapshot."""
+        if self.is_partial_hit(num_hit_tokens) and hit_tables[0]:
+            assert self.branch is not None
+            fresh = self.branch.copy_on_write(req_id, [t[-1] for t in hit_tables],
+                                              num_hit_tokens)
+            for manager, hit_blocks, block in zip(self.managers, hit_tables, fresh,
+                                                  strict=True):
+                manager.add_hit_blocks(req_id, hit_blocks[:-1], num_hit_tokens)
+                if isinstance(manager, RecurrentStateManager):
+                    manager.add_copied_state(req_id, block, num_hit_tokens)
+                else:
+                    manager.tables[req_id].append(block)
+            return
         for manager, hit_blocks in zip(self.managers, hit_tables, strict=True):
             manager.add_hit_blocks(req_id, hit_blocks, num_hit_tokens)
 
@@ -347,6 +401,8 @@ class HybridCoordinator:
     def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:
         """Release what left every group's window. Decode steps mostly release nothing:
         below the request's next release threshold the groups are not even asked."""
+        if self.branch is not None:
+            self.branch.release(req_id)  # its last step's copies ran
         if num_computed_tokens < self._next_release.get(req_id, 0):
             return
         threshold = 1 << 62
@@ -382,6 +438,26 @@ class HybridCoordinator:
                     boundaries = (*boundaries, junction_tokens - manager.block_size)
             unit.cache_blocks(req_id, hashes, self.hash_block_size, cacheable, boundaries,
                               bridge_end_tokens)
+        if self.branch is not None:
+            self._snapshot_branch_point(req_id, hashes, num_tokens, num_prompt_tokens,
+                                        junction_tokens)
+
+    def _snapshot_branch_point(self, req_id: ReqId, hashes: Sequence[BlockHash],
+                               num_tokens: int, num_prompt_tokens: int,
+                               junction_tokens: int) -> None:
+        """``ckpt:branch``: a prefill step ending inside a block at the junction or at the
+        ``u``-floored replay boundary leaves a snapshot there."""
+        branch = self.branch
+        assert branch is not None
+        u, bs = branch.unit_tokens, branch.block_size
+        p = num_tokens
+        if p % bs == 0 or p % u or p >= num_prompt_tokens or p > len(hashes) * u:
+            return
+        if p != junction_tokens and p != (num_prompt_tokens - 1) // u * u:
+            return
+        sources = [m.tables[req_id][-1] if isinstance(m, RecurrentStateManager)
+                   else m.tables[req_id][p // bs] for m in self.managers]
+        branch.take_snapshot(req_id, hashes[p // u - 1], p, sources)
 
     def free(self, req_id: ReqId, session_id: str | None = None,
              num_output_tokens: int | None = None) -> None:
@@ -390,6 +466,8 @@ class HybridCoordinator:
         between ``start_release`` and ``end_release``."""
         self._next_release.pop(req_id, None)
         self._covered_tokens.pop(req_id, None)
+        if self.branch is not None:
+            self.branch.release(req_id)
         eviction = self.pool.eviction
         if eviction is not None:  # never batched (see _make_units)
             eviction.start_release(self.pool, session_id, num_output_tokens)
@@ -417,6 +495,8 @@ class HybridCoordinator:
                 for block in table:
                     if not block.is_null:
                         counts[block.block_id] = counts.get(block.block_id, 0) + 1
+        if self.branch is not None:
+            self.branch.holders(counts)
         return counts
 
 
@@ -470,6 +550,32 @@ def _replayed_windows(config: CacheConfig, retention: RetentionPolicy,
                           "needs a group that reads the whole prefix (full or compressed "
                           "attention) to hit from; this model has only windows")
     return frozenset(windows), max(windows.values())
+
+
+def _make_branch(config: CacheConfig, pool: BlockPool, checkpoints: str,
+                 ) -> BranchSnapshots | None:
+    """The ``ckpt:branch`` machinery, after checking the model suits it: full attention and
+    recurrent groups of one block size, no EAGLE, hashes at the policy's unit."""
+    kinds = {g.spec.kind for g in config.groups}
+    block_size = config.groups[0].spec.block_size
+    unit = branch_unit_tokens(checkpoints, block_size)
+    if unit is None:
+        return None
+    if "recurrent_state" not in kinds or kinds - {"recurrent_state", "full_attention"} \
+            or any(g.spec.block_size != block_size for g in config.groups):
+        raise ConfigError("policy", checkpoints,
+                          "sub-block hits need a model of full-attention and recurrent "
+                          "groups with one unified block size; use ckpt:chunk or ckpt:block")
+    if config.use_eagle:
+        raise ConfigError("policy", checkpoints,
+                          "is not supported with EAGLE/MTP; drop --eagle or use ckpt:chunk")
+    if config.hash_block_size != unit:
+        raise ConfigError("prefix_match_unit", config.prefix_match_unit,
+                          f"{checkpoints} hashes every {unit} tokens; set prefix_match_unit="
+                          f"{unit} (KVCacheManager does it for a policy name)")
+    capacity = min(max(4 * config.num_blocks * block_size // unit, 1 << 16), 1 << 22)
+    return BranchSnapshots(pool, unit, block_size, [g.group_id for g in config.groups],
+                           capacity)
 
 
 def _eagle_group_ids(config: CacheConfig) -> set[int]:

@@ -50,19 +50,55 @@ BLOCK_CHECKPOINTS = "ckpt:block"
 """Every block end a step passes gets its own block and state (the engine exports the
 state at each block end of a chunk, as chunked scans compute it anyway); chunks are not
 clipped, and the retention policy decides which of these checkpoints stay hashed."""
-CHECKPOINT_POLICIES = (CHUNK_CHECKPOINTS, BLOCK_CHECKPOINTS)
+BRANCH_CHECKPOINTS = "ckpt:branch"
+"""``ckpt:chunk`` plus sub-block hits (``hybridkv.branch``): hashes every ``u`` tokens
+(``ckpt:branch:U``; default 16, or 1 for blocks of at most 16 tokens), chunks end at
+branch points and at the ``u``-floored replay boundary, snapshots there are hit with
+copy-on-write. Not vLLM 0.33 behaviour: an opt-in policy."""
+CHECKPOINT_POLICIES = (CHUNK_CHECKPOINTS, BLOCK_CHECKPOINTS, BRANCH_CHECKPOINTS)
+DEFAULT_BRANCH_UNIT_TOKENS = 16
 
 
 def parse_checkpoint_policy(name: str) -> str:
-    """Validate a checkpoint policy name (``ckpt:chunk`` or ``ckpt:block``).
+    """Validate a checkpoint policy name (``ckpt:chunk``, ``ckpt:block``, ``ckpt:branch``
+    or ``ckpt:branch:U`` with a positive unit ``U`` in tokens).
 
-    >>> parse_checkpoint_policy("ckpt:block")
-    'ckpt:block'
+    >>> parse_checkpoint_policy("ckpt:block"), parse_checkpoint_policy("ckpt:branch:32")
+    ('ckpt:block', 'ckpt:branch:32')
     """
-    if name not in CHECKPOINT_POLICIES:
+    if name in CHECKPOINT_POLICIES:
+        return name
+    prefix = BRANCH_CHECKPOINTS + ":"
+    if name.startswith(prefix) and name[len(prefix):].isdigit() \
+            and int(name[len(prefix):]) > 0:
+        return name
+    raise ConfigError("policy", name,
+                      f"unknown checkpoint policy; choose {', '.join(CHECKPOINT_POLICIES)} "
+                      "or ckpt:branch:U (U = hit unit in tokens, e.g. ckpt:branch:16)")
+
+
+def branch_unit_tokens(name: str, block_size: int) -> int | None:
+    """The hit unit of a ``ckpt:branch`` policy for ``block_size``-token blocks, ``None``
+    for the other checkpoint policies. The default is 16 tokens (vLLM's kernel block), or
+    1 token when a block holds at most 16.
+
+    >>> branch_unit_tokens("ckpt:branch", 784), branch_unit_tokens("ckpt:branch", 8)
+    (16, 1)
+    >>> branch_unit_tokens("ckpt:branch:4", 8), branch_unit_tokens("ckpt:chunk", 784)
+    (4, None)
+    """
+    if not name.startswith(BRANCH_CHECKPOINTS):
+        return None
+    if name != BRANCH_CHECKPOINTS:
+        unit = int(name[len(BRANCH_CHECKPOINTS) + 1:])
+    elif block_size > DEFAULT_BRANCH_UNIT_TOKENS and block_size % DEFAULT_BRANCH_UNIT_TOKENS == 0:
+        unit = DEFAULT_BRANCH_UNIT_TOKENS
+    else:
+        unit = 1
+    if block_size % unit:
         raise ConfigError("policy", name,
-                          f"unknown checkpoint policy; choose {' or '.join(CHECKPOINT_POLICIES)}")
-    return name
+                          f"the hit unit must divide the block size {block_size}")
+    return unit
 
 
 class RecurrentStateManager(GroupManager):
@@ -249,10 +285,19 @@ class RecurrentStateManager(GroupManager):
 
     def add_hit_blocks(self, req_id: ReqId, hit_blocks: Sequence[Block], num_hit_tokens: int,
                        ) -> None:
-        """Start the table from the hit checkpoint: the state after its own end."""
+        """Start the table from the hit checkpoint: the state after its own end (the
+        hit point)."""
         super().add_hit_blocks(req_id, hit_blocks, num_hit_tokens)
-        if hit_blocks:
-            self._state_tokens[req_id] = {len(hit_blocks) - 1: len(hit_blocks) * self.block_size}
+        if hit_blocks and not hit_blocks[-1].is_null:
+            self._state_tokens[req_id] = {len(hit_blocks) - 1: num_hit_tokens}
+
+    def add_copied_state(self, req_id: ReqId, block: Block, num_hit_tokens: int) -> None:
+        """``ckpt:branch`` copy-on-write hit inside a block: ``block`` (fresh, appended at
+        index ``num_hit_tokens // bs``) receives the state after ``num_hit_tokens`` tokens
+        from the snapshot before the step runs; it is the step's source state."""
+        table = self.tables[req_id]
+        table.append(block)
+        self._state_tokens[req_id] = {len(table) - 1: num_hit_tokens}
 
     def cache_plan(self, req_id: ReqId, hashes: Sequence[BlockHash], hash_block_size: int,
                    num_tokens: int, boundaries: Sequence[int], bridge_end_tokens: int = 0,
@@ -321,7 +366,7 @@ class RecurrentStateManager(GroupManager):
 
 def align_recurrent_chunk(num_computed_tokens: int, num_new_tokens: int, *, num_tokens: int,
                           num_prompt_tokens: int, junction_tokens: int, block_size: int,
-                          max_chunk_tokens: int) -> int:
+                          max_chunk_tokens: int, hit_unit_tokens: int = 0) -> int:
     """Clip a prefill chunk so it ends where a checkpoint must be written (vLLM 0.33
     ``Scheduler._mamba_block_aligned_split``, without fine-grained hash hits).
 
@@ -331,9 +376,13 @@ def align_recurrent_chunk(num_computed_tokens: int, num_new_tokens: int, *, num_
     last token (the replay boundary a resend hits), and the shared-prefix junction
     (block-floored). Returns the clipped token count (0: nothing aligned fits).
 
+    ``hit_unit_tokens`` (``ckpt:branch``): the replay boundary and the junction are floored
+    to this unit instead of the block, so the chunk ends exactly at a branch point.
+
     Worked examples (bs 784, 8,192-token chunks, a 2,000-token prompt): from 0 the chunk
     stops at 1,568 (last boundary before token 1,999); from 1,568 it runs to 2,000.
-    With 500 tokens of budget left at 0 nothing aligned fits: 0.
+    With 500 tokens of budget left at 0 nothing aligned fits: 0. With a 16-token unit and
+    a junction at 400 the chunk stops at 400, then at 784 (next block), then at 1,984.
 
     >>> kw = dict(num_tokens=2000, num_prompt_tokens=2000, junction_tokens=0,
     ...           block_size=784, max_chunk_tokens=8192)
@@ -341,13 +390,17 @@ def align_recurrent_chunk(num_computed_tokens: int, num_new_tokens: int, *, num_
     (1568, 432)
     >>> align_recurrent_chunk(0, 500, **kw)
     0
+    >>> kw.update(junction_tokens=400, hit_unit_tokens=16)
+    >>> [align_recurrent_chunk(s, 2000 - s, **kw) for s in (0, 400, 784, 1984)]
+    [400, 384, 1200, 16]
     """
     start = num_computed_tokens
     prefill_end = max(num_prompt_tokens, num_tokens - 1)
     if start >= prefill_end:
         return num_new_tokens
     bs = block_size
-    last_cache_position = max((num_tokens - 1) // bs * bs, 0)
+    unit = hit_unit_tokens or bs
+    last_cache_position = max((num_tokens - 1) // unit * unit, 0)
     end = start + num_new_tokens
     if end < prefill_end:
         aligned_end = end // bs * bs
@@ -356,7 +409,8 @@ def align_recurrent_chunk(num_computed_tokens: int, num_new_tokens: int, *, num_
     stops = (
         (start // bs + 1) * bs if start % bs else 0,
         last_cache_position,
-        start + (junction_tokens - start) // bs * bs if start < junction_tokens < end else 0,
+        (start + (junction_tokens - start) // bs * bs if unit == bs
+         else junction_tokens // unit * unit) if start < junction_tokens < end else 0,
     )
     end = min((s for s in stops if start < s < end), default=end)
     return max(end - start, 0)
