@@ -111,8 +111,8 @@ class SeenPrefixes:
 class BranchSnapshots:
     """Snapshot blocks and copy-on-write sources of ``ckpt:branch`` (see the module doc).
 
-    Invariants (``check_invariants``): every held block is non-null with ``ref_count >= 1``;
-    a snapshot taken this step carries a hash and is never handed out by a lookup.
+    Invariants (``check_invariants``): every held block is non-null with ``ref_count >= 1``
+    (the pool's reference counts include these holds: ``HybridCoordinator.holders``).
     """
 
     def __init__(self, pool: BlockPool, unit_tokens: int, block_size: int,
@@ -242,6 +242,3 @@ class BranchSnapshots:
             for block in blocks:
                 if block.is_null or block.ref_count < 1:
                     raise InvariantViolation(f"ckpt:branch: {req_id!r} holds {block!r}")
-                if block.block_id in self.fresh and block.block_hash is None:
-                    raise InvariantViolation(f"ckpt:branch: snapshot {block.block_id} of "
-                                             "this step has no hash")

@@ -506,8 +506,10 @@ class KVCacheManager:
         hashes = self.hasher.hash_blocks(list(token_ids), extra_keys=extra_keys)
         hb = self.hasher.block_size
         doomed: list[Block] = []
+        branch = self.coordinator.branch is not None  # its snapshots sit at every unit
         for group in self.config.groups:
-            for block_hash in coarse_hashes(hashes, group.spec.block_size // hb):
+            for block_hash in hashes if branch else \
+                    coarse_hashes(hashes, group.spec.block_size // hb):
                 doomed.extend(self.pool.cached_copies(block_hash, group.group_id))
         return self.pool.drop_cached(doomed)
 

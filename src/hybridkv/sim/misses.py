@@ -195,7 +195,8 @@ class ObservedManager(KVCacheManager):
         a = self.coordinator.alignment_tokens
         reachable = min((num_seen * hb // a) * a, ((state.num_prompt_tokens - 1) // a) * a)
         if self.config.enable_caching and resident < reachable and self._chain_block_size:
-            end = resident + self._chain_block_size  # the first full-attention block missing
+            # the first full-attention block missing (a ckpt:branch hit ends inside a block)
+            end = resident // a * a + self._chain_block_size
             was_cached = seen.get(hashes[end // hb - 1]) == _COMPUTED
         tag = self._tags.get(req_id) or "all"
         self.misses_by_tag.setdefault(tag, MissCauses()).add(split_miss(

@@ -1,0 +1,259 @@
+"""``ckpt:branch`` under the stateful model-based test and its content oracle.
+
+The machine of ``test_manager_state_machine`` on full attention + recurrent models with
+sub-block hits (hit unit ``U`` smaller than the block), plus rules that prefill in the
+chunks ``align_prefill_chunk`` plans (so chunks end at branch points and snapshots are
+taken). The oracle additionally tracks what a partially filled full-attention block holds
+(the KV of the request's tokens so far) and follows every block copy the manager reports
+(``take_block_copies``): a snapshot must copy exactly the state / KV of its position from
+the producing request, a copy-on-write hit must start from a snapshot of exactly the
+hitting request's prefix. At a hit inside a block, every group hands out a snapshot whose
+content is exactly the prefix ``[0, p)`` (the state after ``p`` tokens; the KV of
+``[p // bs * bs, p)``), the full-attention blocks before it their own prefixes, and the hit
+is maximal over block-aligned and sub-block positions (brute force over the hash index).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import test_manager_state_machine as base
+from hypothesis import HealthCheck, Phase, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, precondition, rule, run_state_machine_as_test
+from strategies import HybridSetup
+
+from hybridkv import FullAttentionSpec, LayerSpec, PrefixHit, RecurrentStateSpec
+from hybridkv.block import Block
+from hybridkv.branch import BranchSnapshots
+from hybridkv.coordinator import HybridCoordinator
+from hybridkv.ids import BlockHash, GroupId, ReqId
+from hybridkv.managers import coarse_hashes
+
+
+@st.composite
+def branch_setups(draw: st.DrawFn) -> HybridSetup:
+    """Full attention + one or two recurrent groups (bs 4 or 8), a hit unit below the
+    block, a vLLM retention policy combined with ``ckpt:branch:U``, a small pool."""
+    bs = draw(st.sampled_from((4, 8)))
+    unit = draw(st.sampled_from([u for u in (1, 2, 4) if u < bs]))
+    layers: tuple[LayerSpec, ...] = (FullAttentionSpec(bs, 1),) + \
+        (RecurrentStateSpec(bs, 1),) * draw(st.integers(1, 2))
+    kind = draw(st.sampled_from(("latest", "prepend", "interval")))
+    policy = f"interval:{bs * draw(st.integers(1, 3))}" if kind == "interval" else kind
+    per_request = -(-24 // bs) * len(layers)
+    num_blocks = 1 + draw(st.integers(max(2, per_request // 2), per_request * 4))
+    return HybridSetup(layers, num_blocks, f"{policy}+ckpt:branch:{unit}", False, None)
+
+
+class BranchMachine(base.ManagerMachine):
+    @initialize(setup=branch_setups())
+    def init_manager(self, setup: HybridSetup) -> None:
+        super().init_manager(setup)
+        self.unit = self.manager.config.hash_block_size
+        assert self.unit < self.align
+
+    def is_full(self, group_id: int) -> bool:
+        return not self.is_recurrent(group_id)
+
+    def guaranteed_boundaries(self, req_id: str, num_computed: int) -> list[int]:
+        return []  # retention promises are not checked on recurrent models
+
+    # ------------------------------------------------------------------- oracle
+    def record_computed(self, req_id: str, start: int, end: int,
+                        new_block_ids: Sequence[Sequence[int]]) -> None:
+        tokens = self.tokens(req_id)
+        copies = self.manager.take_block_copies()
+        for copy in copies:
+            if copy.after_forward:
+                continue  # copy-on-write hit: before the forward pass
+            got = self.content.get(copy.src_block_id)
+            assert got == (copy.group_id, tuple(tokens[: copy.num_tokens])), (
+                f"{req_id}: copy-on-write from block {copy.src_block_id} holding {got}")
+            assert copy.num_tokens == start
+            self.content[copy.dst_block_id] = got
+            event("copy-on-write hit")
+        tables = self.manager.get_block_ids(req_id)
+        for group_id, table in enumerate(tables):
+            bs = self.specs[group_id].block_size
+            if self.is_full(group_id) and start % bs:  # a partial block being extended
+                got = self.content.get(table[start // bs])
+                assert got == (group_id, tuple(tokens[:start])), (
+                    f"{req_id} group {group_id}: partial block {table[start // bs]} holds "
+                    f"{got}, not the KV of {start} tokens")
+        super().record_computed(req_id, start, end, new_block_ids)
+        for group_id, table in enumerate(tables):
+            bs = self.specs[group_id].block_size
+            if self.is_full(group_id) and end % bs:
+                self.content[table[end // bs]] = (group_id, tuple(tokens[:end]))
+        for copy in copies:
+            if not copy.after_forward:
+                continue
+            assert copy.num_tokens == end and end % self.align
+            got = self.content.get(copy.src_block_id)
+            assert got == (copy.group_id, tuple(tokens[:end])), (
+                f"{req_id}: snapshot at {end} copies block {copy.src_block_id} holding {got}")
+            self.content[copy.dst_block_id] = got
+            event("branch snapshot")
+
+    def check_hit(self, req_id: str, hit: PrefixHit) -> None:
+        p = hit.num_tokens
+        if p % self.align == 0:
+            super().check_hit(req_id, hit)
+            return
+        tokens = self.tokens(req_id)
+        assert p % self.unit == 0 and 0 < p <= len(tokens) - 1
+        for group_id, table in enumerate(hit.blocks):
+            k = p // self.specs[group_id].block_size
+            assert len(table) == k + 1, (group_id, len(table), p)
+            snapshot = table[-1]
+            assert not snapshot.is_null and snapshot.hash_group_id == group_id
+            got = self.content.get(snapshot.block_id)
+            assert got == (group_id, tuple(tokens[:p])), (
+                f"group {group_id}: snapshot {snapshot.block_id} holds {got}, the hit at "
+                f"{p} needs {tokens[:p]}")
+            for idx, block in enumerate(table[:-1]):
+                if self.is_full(group_id):
+                    assert self.content.get(block.block_id) == \
+                        self.expected(group_id, tokens, idx)
+                else:
+                    assert block.is_null
+        assert p == self.brute_force_hit(tokens, len(tokens) - 1), "hit is not maximal"
+        self.num_hits += 1
+        event("hit inside a block")
+
+    def brute_force_hit(self, tokens: Sequence[int], limit: int) -> int:
+        """The aligned answer, or a deeper sub-block position whose full-attention blocks
+        before it and snapshots in every group are in the hash index."""
+        aligned = super().brute_force_hit(tokens, limit)
+        hashes = self.hasher.hash_blocks(tokens)
+        pool = self.manager.pool
+        u = self.unit
+        for p in range(max(limit, 0) // u * u, aligned, -u):
+            if p % self.align == 0:
+                continue
+            ok = True
+            for g, spec in enumerate(self.specs):
+                if self.is_full(g):
+                    view = coarse_hashes(hashes, spec.block_size // u)
+                    ok = all(pool.get_cached_block(BlockHash(view[i]), GroupId(g))
+                             is not None for i in range(p // spec.block_size))
+                ok = ok and pool.get_cached_block(BlockHash(hashes[p // u - 1]),
+                                                  GroupId(g)) is not None
+                if not ok:
+                    break
+            if ok:
+                return p
+        return aligned
+
+    # -------------------------------------------------------------------- rules
+    @precondition(lambda self: any(not self.manager.is_running(r)
+                                   for r in self.manager.request_ids))
+    @rule(pick=st.integers(0, 10**6), reserve=st.booleans())
+    def admit_aligned(self, pick: int, reserve: bool) -> None:
+        """Admit with the first chunk ``align_prefill_chunk`` plans (it stops at the
+        branch point or the replay boundary, where snapshots are taken)."""
+        waiting = self.waiting()
+        req_id = waiting[pick % len(waiting)]
+        hit = self.manager.find_longest_hit(req_id)
+        num_new = self.manager.align_prefill_chunk(
+            req_id, self.manager.num_tokens(req_id) - hit.num_tokens, hit)
+        if num_new:
+            self.admit(pick, num_new, 0, reserve)
+
+    @precondition(lambda self: any(self.manager.is_running(r)
+                                   for r in self.manager.request_ids))
+    @rule(pick=st.integers(0, 10**6))
+    def step_aligned(self, pick: int) -> None:
+        running = self.running()
+        req_id = running[pick % len(running)]
+        computed = self.manager.num_computed_tokens(req_id)
+        remaining = self.manager.num_tokens(req_id) - computed
+        if remaining <= 0:
+            return
+        num_new = self.manager.align_prefill_chunk(req_id, remaining)
+        if num_new:
+            self.step(pick, num_new, [0], 0)
+
+    @rule(pick=st.integers(0, 10**6), cut=st.integers(0, base.MAX_PROMPT), go=st.integers(0, 2))
+    def evict_prefix(self, pick: int, cut: int, go: int) -> None:
+        """Every cached copy of the prefix's hashes at every unit, in every group (block
+        hashes and sub-block snapshots alike), loses its hash; nothing else changes."""
+        if go:
+            return
+        tokens = self.some_prefix(pick, cut)
+        pool = self.manager.pool
+        hashes = self.hasher.hash_blocks(tokens)
+        doomed = {b.block_id for g in range(len(self.specs)) for h in hashes
+                  for b in pool.cached_copies(BlockHash(h), GroupId(g))}
+        hashed_before = {b.block_id for b in pool.blocks if b.block_hash is not None}
+        dropped = self.manager.evict_prefix(tokens)
+        assert dropped == len(doomed)
+        assert {b.block_id for b in pool.blocks if b.block_hash is not None} == \
+            hashed_before - doomed
+        if dropped:
+            self.num_drops += 1
+            self.dropped |= doomed
+
+
+TestBranchMachine = BranchMachine.TestCase
+TestBranchMachine.settings = settings(stateful_step_count=200, max_examples=60)
+
+
+def _sabotaged_run(monkeypatch: pytest.MonkeyPatch, target: object, name: str,
+                   replacement: object) -> None:
+    monkeypatch.setattr(target, name, replacement)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(BranchMachine, settings=settings(
+            max_examples=200, stateful_step_count=200, derandomize=True, database=None,
+            phases=[Phase.generate], suppress_health_check=list(HealthCheck)))
+
+
+def test_a_snapshot_of_the_wrong_position_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: snapshots keyed one unit early (the state after ``p`` handed out as the
+    state after ``p - U``). The content oracle must fail the run."""
+    original = BranchSnapshots.take_snapshot
+
+    def shifted(self: BranchSnapshots, req_id: ReqId, block_hash: BlockHash,
+                num_tokens: int, sources: Sequence[Block]) -> bool:
+        hashes = shifted.hashes  # type: ignore[attr-defined]
+        return original(self, req_id, hashes.get(block_hash, block_hash), num_tokens,
+                        sources)
+
+    shifted.hashes = {}  # type: ignore[attr-defined]
+    real_snapshot_point = HybridCoordinator._snapshot_branch_point
+
+    def remember(self: HybridCoordinator, req_id: ReqId, hashes: Sequence[BlockHash],
+                 num_tokens: int, num_prompt_tokens: int, junction_tokens: int) -> None:
+        u = self.branch.unit_tokens if self.branch is not None else 1
+        j = num_tokens // u - 1
+        if 0 < j < len(hashes):
+            shifted.hashes[hashes[j]] = hashes[j - 1]  # type: ignore[attr-defined]
+        real_snapshot_point(self, req_id, hashes, num_tokens, num_prompt_tokens,
+                            junction_tokens)
+
+    monkeypatch.setattr(HybridCoordinator, "_snapshot_branch_point", remember)
+    _sabotaged_run(monkeypatch, BranchSnapshots, "take_snapshot", shifted)
+
+
+def test_a_copy_from_the_wrong_block_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: the full-attention snapshot copies the block before the one holding
+    ``[p // bs * bs, p)``."""
+    real = HybridCoordinator._snapshot_branch_point
+
+    def wrong_source(self: HybridCoordinator, req_id: ReqId, hashes: Sequence[BlockHash],
+                     num_tokens: int, num_prompt_tokens: int, junction_tokens: int) -> None:
+        table = self.managers[0].tables[req_id]
+        bs = self.managers[0].block_size
+        k = num_tokens // bs
+        if k >= 1 and num_tokens % bs:
+            table[k], table[k - 1] = table[k - 1], table[k]
+            try:
+                real(self, req_id, hashes, num_tokens, num_prompt_tokens, junction_tokens)
+            finally:
+                table[k], table[k - 1] = table[k - 1], table[k]
+            return
+        real(self, req_id, hashes, num_tokens, num_prompt_tokens, junction_tokens)
+
+    _sabotaged_run(monkeypatch, HybridCoordinator, "_snapshot_branch_point", wrong_source)
