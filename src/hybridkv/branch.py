@@ -8,7 +8,8 @@ default) and a hit may end at any multiple of ``u``:
 - **Branch points** (Marconi's admission rule). ``SeenPrefixes`` remembers the ``u``-token
   prefix hashes of admitted prompts (metadata only, LRU-bounded). A request whose prompt
   shares a seen prefix up to ``J`` (its *branch point*) ends a prefill chunk exactly at
-  ``J``; so does every prompt at its replay boundary ``floor((n - 1) / u) * u``.
+  ``J``. (The replay boundary stays vLLM's block-floored one: a second snapshot at the
+  ``u``-floored prompt end cost more pool than resends won back, docs/benchmarks.md.)
 - **Branch snapshots.** When a step ends at such a point ``p`` inside a block
   (``p % bs != 0``), one fresh block per group is hashed under the ``u``-hash of ``[0, p)``:
   a full-attention group's snapshot receives a copy of the KV of ``[p // bs * bs, p)`` from
@@ -26,11 +27,10 @@ default) and a hit may end at any multiple of ``u``:
   group at admission and the copy traffic, counted in ``copied_tokens``.
 
 Worked example (bs 784, ``u`` 16; a 400-token system prompt S, then users' questions):
-request 1 (S + 120 tokens) misses and leaves a snapshot at its replay boundary 512;
-request 2 (S + 90) shares 400 tokens with it (seen), misses, stops its first chunk at
-400 and leaves snapshots there; request 3 (S + 200) hits 400 tokens: full-attention
-table ``[copy of snapshot]`` (400 tokens of KV copied), recurrent tables
-``[copy of the state after 400]``.
+request 1 (S + 120 tokens) misses; request 2 (S + 90) shares 400 tokens with it (seen),
+misses, stops its first chunk at 400 and leaves snapshots there; request 3 (S + 200) hits
+400 tokens: full-attention table ``[copy of snapshot]`` (400 tokens of KV copied),
+recurrent tables ``[copy of the state after 400]``.
 """
 
 from __future__ import annotations

@@ -445,15 +445,15 @@ class HybridCoordinator:
     def _snapshot_branch_point(self, req_id: ReqId, hashes: Sequence[BlockHash],
                                num_tokens: int, num_prompt_tokens: int,
                                junction_tokens: int) -> None:
-        """``ckpt:branch``: a prefill step ending inside a block at the junction or at the
-        ``u``-floored replay boundary leaves a snapshot there."""
+        """``ckpt:branch``: a prefill step ending inside a block at the junction (branch
+        point) leaves a snapshot there."""
         branch = self.branch
         assert branch is not None
         u, bs = branch.unit_tokens, branch.block_size
         p = num_tokens
         if p % bs == 0 or p % u or p >= num_prompt_tokens or p > len(hashes) * u:
             return
-        if p != junction_tokens and p != (num_prompt_tokens - 1) // u * u:
+        if p != junction_tokens:
             return
         sources = [m.tables[req_id][-1] if isinstance(m, RecurrentStateManager)
                    else m.tables[req_id][p // bs] for m in self.managers]

@@ -52,9 +52,10 @@ def test_prompts_shorter_than_a_block_hit_at_the_branch_point() -> None:
     m.add_request("b", [*SYSTEM, 4, 5])
     m.new_step()
     hit = m.find_longest_hit("b")
-    assert hit.num_tokens == 0 and hit.junction_tokens == 12
-    assert m.align_prefill_chunk("b", 14, hit) == 12
-    assert m.allocate_slots("b", 12, hit) is not None
+    # (a's chunk ended at its block-floored replay boundary 8: a checkpoint there)
+    assert hit.num_tokens == 8 and hit.junction_tokens == 12
+    assert m.align_prefill_chunk("b", 6, hit) == 4
+    assert m.allocate_slots("b", 4, hit) is not None
     copies = m.take_block_copies()
     fa_src = m.coordinator.managers[0].tables["b"][1]
     assert [(c.group_id, c.num_tokens, c.after_forward) for c in copies] == \
@@ -100,16 +101,14 @@ def test_a_snapshot_of_this_step_defers_the_admission() -> None:
     assert m.allocate_slots("c", 3, hit) is not None
 
 
-def test_replay_boundary_snapshot_serves_a_resend() -> None:
-    m = make()
-    prompt = [*SYSTEM, 1, 2]  # 14 tokens: replay boundary 12 (inside block 1)
-    run_prompt(m, "a", prompt)
-    m.add_request("b", [*prompt[:13], 9])
-    assert m.find_longest_hit("b").num_tokens == 12
-    plain = make("latest")
-    run_prompt(plain, "a", prompt)
-    plain.add_request("b", [*prompt[:13], 9])
-    assert plain.find_longest_hit("b").num_tokens == 8  # floored to the block
+def test_the_replay_boundary_stays_block_floored() -> None:
+    """Only branch points get snapshots: a resend hits vLLM's block-floored checkpoint."""
+    for policy in ("latest+ckpt:branch:2", "latest"):
+        m = make(policy)
+        prompt = [*SYSTEM, 1, 2]  # 14 tokens: replay boundary 13 → block floor 8
+        run_prompt(m, "a", prompt)
+        m.add_request("b", [*prompt[:13], 9])
+        assert m.find_longest_hit("b").num_tokens == 8
 
 
 def test_vllm_equivalent_policies_ignore_the_branch_machinery() -> None:

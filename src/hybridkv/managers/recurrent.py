@@ -53,8 +53,8 @@ clipped, and the retention policy decides which of these checkpoints stay hashed
 BRANCH_CHECKPOINTS = "ckpt:branch"
 """``ckpt:chunk`` plus sub-block hits (``hybridkv.branch``): hashes every ``u`` tokens
 (``ckpt:branch:U``; default 16, or 1 for blocks of at most 16 tokens), chunks end at
-branch points and at the ``u``-floored replay boundary, snapshots there are hit with
-copy-on-write. Not vLLM 0.33 behaviour: an opt-in policy."""
+branch points, snapshots there are hit with copy-on-write. Not vLLM 0.33 behaviour: an
+opt-in policy."""
 CHECKPOINT_POLICIES = (CHUNK_CHECKPOINTS, BLOCK_CHECKPOINTS, BRANCH_CHECKPOINTS)
 DEFAULT_BRANCH_UNIT_TOKENS = 16
 
@@ -376,13 +376,15 @@ def align_recurrent_chunk(num_computed_tokens: int, num_new_tokens: int, *, num_
     last token (the replay boundary a resend hits), and the shared-prefix junction
     (block-floored). Returns the clipped token count (0: nothing aligned fits).
 
-    ``hit_unit_tokens`` (``ckpt:branch``): the replay boundary and the junction are floored
-    to this unit instead of the block, so the chunk ends exactly at a branch point.
+    ``hit_unit_tokens`` (``ckpt:branch``): the junction is floored to this unit instead of
+    the block, so the chunk ends exactly at a branch point (the replay boundary stays
+    block-floored: a snapshot at the unit-floored prompt end measured worse, see
+    docs/benchmarks.md).
 
     Worked examples (bs 784, 8,192-token chunks, a 2,000-token prompt): from 0 the chunk
     stops at 1,568 (last boundary before token 1,999); from 1,568 it runs to 2,000.
     With 500 tokens of budget left at 0 nothing aligned fits: 0. With a 16-token unit and
-    a junction at 400 the chunk stops at 400, then at 784 (next block), then at 1,984.
+    a junction at 400 the chunk stops at 400, then at 784 (next block), then at 1,568.
 
     >>> kw = dict(num_tokens=2000, num_prompt_tokens=2000, junction_tokens=0,
     ...           block_size=784, max_chunk_tokens=8192)
@@ -391,8 +393,8 @@ def align_recurrent_chunk(num_computed_tokens: int, num_new_tokens: int, *, num_
     >>> align_recurrent_chunk(0, 500, **kw)
     0
     >>> kw.update(junction_tokens=400, hit_unit_tokens=16)
-    >>> [align_recurrent_chunk(s, 2000 - s, **kw) for s in (0, 400, 784, 1984)]
-    [400, 384, 1200, 16]
+    >>> [align_recurrent_chunk(s, 2000 - s, **kw) for s in (0, 400, 784, 1568)]
+    [400, 384, 784, 432]
     """
     start = num_computed_tokens
     prefill_end = max(num_prompt_tokens, num_tokens - 1)
@@ -400,7 +402,7 @@ def align_recurrent_chunk(num_computed_tokens: int, num_new_tokens: int, *, num_
         return num_new_tokens
     bs = block_size
     unit = hit_unit_tokens or bs
-    last_cache_position = max((num_tokens - 1) // unit * unit, 0)
+    last_cache_position = max((num_tokens - 1) // bs * bs, 0)
     end = start + num_new_tokens
     if end < prefill_end:
         aligned_end = end // bs * bs
