@@ -568,7 +568,8 @@ def _make_branch(config: CacheConfig, pool: BlockPool, checkpoints: str,
                           "groups with one unified block size; use ckpt:chunk or ckpt:block")
     if config.use_eagle:
         raise ConfigError("policy", checkpoints,
-                          "cannot serve EAGLE/MTP (no drafter state in snapshots yet); drop --eagle or use ckpt:chunk")
+                          "cannot serve EAGLE/MTP (no drafter state in snapshots yet); "
+                          "drop --eagle or use ckpt:chunk")
     if config.hash_block_size != unit:
         raise ConfigError("prefix_match_unit", config.prefix_match_unit,
                           f"{checkpoints} hashes every {unit} tokens; set prefix_match_unit="
