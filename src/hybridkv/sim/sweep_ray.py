@@ -22,9 +22,10 @@ import importlib.util
 import logging
 import os
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import hybridkv
@@ -94,21 +95,50 @@ def _package_on_worker_path() -> Iterator[None]:
             os.environ["PYTHONPATH"] = before
 
 
+@contextmanager
+def _deferred_signals() -> Iterator[Callable[[], None]]:
+    """While Ray runs, SIGINT / SIGTERM only note the signal; the returned check (called
+    between Ray calls) then hands it to the handler that was there before (the CLI's:
+    ``KeyboardInterrupt`` / ``Terminated``). An exception raised by a signal handler in
+    the middle of Ray's compiled code surfaces as a ``SystemError`` traceback instead."""
+    received: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        del frame
+        received.append(signum)
+
+    def check() -> None:
+        if not received:
+            return
+        signum = received[0]
+        handler = previous[signal.Signals(signum)]
+        if callable(handler):
+            handler(signum, None)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    for sig in previous:
+        signal.signal(sig, note)
+    try:
+        yield check
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _init(ray: Any, address: str, num_cpus: int) -> None:
     options: dict[str, object] = {"include_dashboard": False, "log_to_driver": False,
                                   "logging_level": logging.ERROR}
     try:
         with _signal_handlers_kept():
             if address == LOCAL:
-                with _package_on_worker_path():
-                    ray.init(num_cpus=num_cpus, **options)
+                with _package_on_worker_path():  # "local": a new instance, never a running one
+                    ray.init(address=LOCAL, num_cpus=num_cpus, **options)
             else:
                 ray.init(address=address, **options)
-    except (KeyboardInterrupt, SystemExit):
-        ray.shutdown()
-        raise
     except Exception as err:  # Ray raises ConnectionError, ValueError, RuntimeError, …
-        ray.shutdown()
         detail = " ".join(str(err).split())[:200] or type(err).__name__
         fix = ("leave the address out for a local Ray, or give a running cluster's "
                "address (ray start --head prints it)") if address != LOCAL else \
@@ -123,33 +153,36 @@ def run_ray(work: SweepWork, cells: Sequence[Cell], address: str, num_cpus: int,
     require_ray(address)
     import ray
 
-    _init(ray, address, num_cpus)
     pending: dict[Any, int] = {}
-    try:
-        task = ray.remote(num_cpus=1, max_retries=0)(_ray_cell)
-        sources = {label: ray.put(source) for label, source in work.sources.items()}
-        models = {label: ray.put(shape) for label, shape in work.models.items()}
-        for index in dispatch_order(cells, work.costs()):
-            cell = cells[index]
-            pending[task.remote(sources[cell.source], models[cell.model], cell,
-                                work.options[cell.source])] = index
-        expected = code_fingerprint()
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=WAIT_SECONDS)
-            for ref in done:
-                index = pending.pop(ref)
-                fingerprint, outcome = ray.get(ref)
-                if fingerprint != expected:
-                    raise ConfigError("--ray", address, "the cluster's workers run other "
-                                      "hybridkv code than this sweep; install the same "
-                                      "hybridkv on every node")
-                on_done(cells[index], outcome)
-    except BaseException:
-        for ref in pending:
-            ray.cancel(ref, force=True)
-        raise
-    finally:
-        ray.shutdown()
+    with _deferred_signals() as check_signals:
+        try:
+            _init(ray, address, num_cpus)
+            check_signals()
+            task = ray.remote(num_cpus=1, max_retries=0)(_ray_cell)
+            sources = {label: ray.put(source) for label, source in work.sources.items()}
+            models = {label: ray.put(shape) for label, shape in work.models.items()}
+            for index in dispatch_order(cells, work.costs()):
+                cell = cells[index]
+                pending[task.remote(sources[cell.source], models[cell.model], cell,
+                                    work.options[cell.source])] = index
+            expected = code_fingerprint()
+            while pending:
+                check_signals()
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=WAIT_SECONDS)
+                for ref in done:
+                    index = pending.pop(ref)
+                    fingerprint, outcome = ray.get(ref)
+                    if fingerprint != expected:
+                        raise ConfigError("--ray", address, "the cluster's workers run other "
+                                          "hybridkv code than this sweep; install the same "
+                                          "hybridkv on every node")
+                    on_done(cells[index], outcome)
+        except BaseException:
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            raise
+        finally:
+            ray.shutdown()
 
 
 __all__ = ["LOCAL", "RAY_PIN", "ray_installed", "require_ray", "run_ray"]
