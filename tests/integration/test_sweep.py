@@ -468,3 +468,21 @@ def test_sigterm_stops_ray_tasks_and_the_local_ray(inputs: Path, tmp_path: Path)
     assert _wait_for(lambda: not any(_alive(p) for p in started), 15), [
         _cmdline(p) for p in started if _alive(p)]
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize(("address", "fragment"), [
+    ("127.0.0.1:1", "nothing answers there"),
+    ("no-port", "is not HOST:PORT"),
+    ("host:99999", "is not HOST:PORT"),
+])
+def test_a_bad_ray_address_is_one_line_at_once(inputs: Path, tmp_path: Path, address: str,
+                                               fragment: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Checked before any work (Ray itself would retry a dead address for minutes)."""
+    _ray_or_skip()
+    out = tmp_path / "s.csv"
+    code, _, stderr = run(sweep_argv(inputs, "--ray", address, "--csv", str(out)), capsys)
+    assert code == 2
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith(f"hybridkv sweep: error: --ray='{address}'") and fragment in line
+    assert not out.exists()

@@ -22,6 +22,8 @@ import importlib.util
 import logging
 import os
 import signal
+import socket
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -128,18 +130,83 @@ def _deferred_signals() -> Iterator[Callable[[], None]]:
             signal.signal(sig, handler)
 
 
+CONNECT_SECONDS = 5.0
+"""How long ``--ray ADDRESS`` may take to accept a TCP connection before the sweep gives
+up with one line (Ray itself retries for minutes)."""
+
+
+def check_reachable(address: str) -> None:
+    """Raise ``ConfigError`` unless ``host:port`` (or ``ray://host:port``) accepts a TCP
+    connection within ``CONNECT_SECONDS``; ``local`` and ``auto`` are left to Ray.
+
+    >>> check_reachable("auto")
+    >>> check_reachable("no-port-here")
+    Traceback (most recent call last):
+    ...
+    hybridkv.errors.ConfigError: --ray='no-port-here' is invalid: is not HOST:PORT ...
+    """
+    if address in (LOCAL, "auto"):
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError("--ray", address, "is not HOST:PORT (e.g. 10.0.0.5:6379, as "
+                          "ray start --head prints it), 'auto', or nothing for a local Ray")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), CONNECT_SECONDS):
+            pass
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise ConfigError("--ray", address, f"nothing answers there ({reason}); start the "
+                          "cluster (ray start --head) or leave the address out for a "
+                          "local Ray") from err
+
+
+@contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """Send file descriptor 2 to ``/dev/null`` (Ray's C++ core logs warnings there while
+    it starts, retries a connection or shuts down; the sweep's errors stay one line)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _reason(err: BaseException) -> str:
+    """The useful part of Ray's error: the last line of the innermost cause that names an
+    error (Ray wraps an authentication failure in a connection error)."""
+    texts: list[str] = []
+    while err is not None and len(texts) < 5:
+        texts.append(str(err))
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    for text in reversed(texts):
+        lines = [line.strip() for line in text.splitlines() if "Error" in line]
+        if lines:
+            return " ".join(lines[-1].split())[:300]
+    return " ".join(texts[0].split())[:300] if texts and texts[0] else "unknown error"
+
+
 def _init(ray: Any, address: str, num_cpus: int) -> None:
     options: dict[str, object] = {"include_dashboard": False, "log_to_driver": False,
                                   "logging_level": logging.ERROR}
     try:
-        with _signal_handlers_kept():
+        with _signal_handlers_kept(), _stderr_silenced():
             if address == LOCAL:
                 with _package_on_worker_path():  # "local": a new instance, never a running one
                     ray.init(address=LOCAL, num_cpus=num_cpus, **options)
             else:
                 ray.init(address=address, **options)
     except Exception as err:  # Ray raises ConnectionError, ValueError, RuntimeError, …
-        detail = " ".join(str(err).split())[:200] or type(err).__name__
+        detail = _reason(err)
+        if "InvalidAuthToken" in detail or "AuthenticationError" in detail:
+            raise ConfigError("--ray", address, "the cluster wants its authentication token: "
+                              "run with RAY_AUTH_MODE=token and the token in "
+                              "~/.ray/auth_token or RAY_AUTH_TOKEN") from err
         fix = ("leave the address out for a local Ray, or give a running cluster's "
                "address (ray start --head prints it)") if address != LOCAL else \
             "check that this machine can start Ray processes"
@@ -151,6 +218,7 @@ def run_ray(work: SweepWork, cells: Sequence[Cell], address: str, num_cpus: int,
     """Compute the cells as Ray tasks, expected-longest first; results reach ``on_done``
     in completion order."""
     require_ray(address)
+    check_reachable(address)
     import ray
 
     pending: dict[Any, int] = {}
@@ -182,7 +250,8 @@ def run_ray(work: SweepWork, cells: Sequence[Cell], address: str, num_cpus: int,
                 ray.cancel(ref, force=True)
             raise
         finally:
-            ray.shutdown()
+            with _stderr_silenced():
+                ray.shutdown()
 
 
-__all__ = ["LOCAL", "RAY_PIN", "ray_installed", "require_ray", "run_ray"]
+__all__ = ["LOCAL", "RAY_PIN", "check_reachable", "ray_installed", "require_ray", "run_ray"]
