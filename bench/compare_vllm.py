@@ -43,6 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import hybridkv.native
 from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
 from hybridkv.sim.loaders import load_trace
@@ -96,19 +97,31 @@ class SideResult:
         return out
 
 
+class LoggedLookups:
+    """The scheduler's view of ``manager`` with every ``find_longest_hit`` logged (a
+    compiled ``KVCacheManager`` takes no instance attributes, so it is wrapped, not
+    patched); everything else is the manager's own."""
+
+    def __init__(self, manager: Any, lookups: list[tuple[str, int]]) -> None:
+        self._manager = manager
+        self._lookups = lookups
+
+    def find_longest_hit(self, req_id: str, *rest: Any, **kwargs: Any) -> Any:
+        hit = self._manager.find_longest_hit(req_id, *rest, **kwargs)
+        self._lookups.append((req_id, hit.num_tokens))
+        return hit
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+
 def run_side(manager: Any, trace: Trace, args: argparse.Namespace, label: str) -> SideResult:
     """Replay ``trace`` through ``manager`` with hybridkv's scheduler (protocol v1)."""
     started = time.perf_counter()
     lookups: list[tuple[str, int]] = []
-    find_longest_hit = manager.find_longest_hit
-
-    def logged_lookup(req_id: str, *rest: Any, **kwargs: Any) -> Any:
-        hit = find_longest_hit(req_id, *rest, **kwargs)
-        lookups.append((req_id, hit.num_tokens))
-        return hit
-
-    manager.find_longest_hit = logged_lookup  # every lookup, refused admissions included
-    scheduler = Scheduler(manager, max_running=args.max_running, chunk_size=args.chunk_size,
+    # every lookup, refused admissions included (logged outside the timed manager calls)
+    scheduler = Scheduler(LoggedLookups(manager, lookups), max_running=args.max_running,
+                          chunk_size=args.chunk_size,
                           reserve_full_prompt=not args.no_admission_gate)
     requests: list[SchedRequest] = []
     for index, request in enumerate(trace.requests):
@@ -285,7 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     eagle = "eagle drop mode" if args.eagle_drop else \
         "eagle lookahead hashes" if args.eagle else "no eagle"
     print(f"trace {trace.name} ({len(trace)} requests), model {args.model}, "
-          f"{args.num_blocks} blocks, {eagle}, vllm {vllm.__version__}", flush=True)
+          f"{args.num_blocks} blocks, {eagle}, vllm {vllm.__version__}, "
+          f"hybridkv core {_core()}", flush=True)
     rows = []
     for policy in policies:
         rows.append(compare_policy(trace, config, policy, args))
@@ -322,12 +336,18 @@ def check_block_counts(args: argparse.Namespace) -> bool:
     return failed
 
 
+def _core() -> str:
+    selection = hybridkv.native.SELECTED or hybridkv.native.decide()
+    return f"{selection.mode} ({selection.reason})"
+
+
 def _write_json(args: argparse.Namespace, trace: Trace, rows: list[dict[str, Any]],
                 vllm_version: str) -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "trace": str(args.trace), "requests": len(trace), "model": args.model,
         "num_blocks": args.num_blocks, "max_running": args.max_running,
+        "hybridkv_core": _core(),
         "chunk_size": args.chunk_size, "admission_gate": not args.no_admission_gate,
         "eagle": "drop" if args.eagle_drop else "lookahead" if args.eagle else None,
         "vllm_version": vllm_version,
