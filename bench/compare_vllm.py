@@ -44,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hybridkv.native
-from hybridkv.cache import KVCacheManager
+from hybridkv.cache import Allocation, KVCacheManager, PrefixHit
 from hybridkv.config import CacheConfig
 from hybridkv.sim.loaders import load_trace
 from hybridkv.sim.model import load_model, num_blocks_for_memory, parse_size
@@ -96,6 +96,41 @@ class SideResult:
         out["lookups"] = len(self.lookups)
         out["hit_rate"] = self.hit_rate
         return out
+
+
+class HybridkvTypes:
+    """The vLLM adapter as the compiled scheduler sees it: lookups return a real
+    ``PrefixHit`` and allocations an ``Allocation`` (mypyc checks the declared types at
+    run time), each mapped back to the adapter's own ``VllmHit`` / ``KVCacheBlocks``
+    outside the timed manager calls."""
+
+    def __init__(self, manager: Any, num_groups: int) -> None:
+        self._manager = manager
+        self._no_tables = ((),) * num_groups
+        self._hits: dict[str, Any] = {}
+
+    def find_longest_hit(self, req_id: str) -> PrefixHit:
+        hit = self._manager.find_longest_hit(req_id)
+        self._hits[req_id] = hit
+        return PrefixHit(req_id, hit.num_tokens, self._no_tables, hit.junction_tokens, 0,
+                         hit.num_tokens)
+
+    def _theirs(self, req_id: str, hit: PrefixHit | None) -> Any:
+        return None if hit is None else self._hits[req_id]
+
+    def allocate_slots(self, req_id: str, num_new_tokens: int, hit: PrefixHit | None = None,
+                       **kwargs: Any) -> Allocation | None:
+        result = self._manager.allocate_slots(req_id, num_new_tokens,
+                                              self._theirs(req_id, hit), **kwargs)
+        return None if result is None else Allocation(0, num_new_tokens, 0, ())
+
+    def align_prefill_chunk(self, req_id: str, num_new_tokens: int,
+                            hit: PrefixHit | None = None, **kwargs: Any) -> int:
+        return int(self._manager.align_prefill_chunk(req_id, num_new_tokens,
+                                                     self._theirs(req_id, hit), **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
 
 
 class LoggedLookups:
@@ -176,7 +211,9 @@ def compare_policy(trace: Trace, config: CacheConfig, policy: str, args: argpars
     from vllm_adapter import VllmManager, retention_interval
 
     ours = run_side(KVCacheManager(config, policy), trace, args, f"hybridkv {policy}")
-    theirs = run_side(VllmManager(config, policy), trace, args, f"vllm {policy}")
+    vllm_manager = VllmManager(config, policy)
+    theirs = run_side(HybridkvTypes(vllm_manager, len(config.groups)), trace, args,
+                      f"vllm {policy}")
     mismatches = [
         {"request_id": rid, "index": idx, "prompt_tokens": trace.requests[idx].input_length,
          "hybridkv": ours.first_hits[rid], "vllm": theirs.first_hits[rid]}
