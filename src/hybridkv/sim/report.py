@@ -23,8 +23,10 @@ Columns: hit rate = prompt tokens served from the cache at first admission.
 bound = hybrid-aware offline optimum: Belady MIN over full-attention hit units with, at each
 admission, the capacity left after the blocks then held that are not full-attention prompt
 KV (running requests' window / chunked / other state, the admitted request's window tail
-at its hit point, decode and partial blocks). bound_fa = the same over full-attention
-blocks only with the whole pool (the peer simulators' "optimal"); bound <= bound_fa.
+at its hit point, decode and partial blocks); the prompt KV running requests hold is
+pinned while they hold it (no policy can evict it). bound_fa = the same over
+full-attention blocks only with the whole pool, nothing pinned (the peer simulators'
+"optimal"); bound <= bound_fa.
 Both are upper bounds for the admission order the run used (each run's own: the order
 changes the access sequence, so a cache-aware admission order can beat them); the report
 line shows the largest per-run value. ceiling = infinite cache.
