@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from hybridkv.block import Block
 from hybridkv.cache import KVCacheManager, PrefixHit
 from hybridkv.errors import ConfigError, RequestError
 from hybridkv.ids import BlockHash
@@ -238,6 +239,10 @@ class Scheduler:
 
     def may_extend(self, request: SchedRequest, num_tokens: int, matched_tokens: int) -> bool:
         return self.manager.may_extend(request.req_id, num_tokens, matched_tokens)
+
+    def growth_probes(self, request: SchedRequest, num_tokens: int, matched_tokens: int,
+                      ) -> tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...] | None:
+        return self.manager.growth_probes(request.req_id, num_tokens, matched_tokens)
 
     @property
     def version(self) -> tuple[int, int]:
