@@ -9,7 +9,7 @@ import pytest
 
 from hybridkv import CacheConfig, FullAttentionSpec, KVCacheManager, SlidingWindowSpec
 from hybridkv.cli import main
-from hybridkv.errors import ConfigError
+from hybridkv.errors import ConfigError, PoolTooSmallError
 from hybridkv.sim.admission import ORDERS, parse_admissions
 from hybridkv.sim.replay import ReplaySettings, replay
 from hybridkv.sim.scheduler import SchedRequest, Scheduler
@@ -238,3 +238,19 @@ def test_a_hit_ends_on_a_free_block_only_once_its_holder_released_it() -> None:
     manager.free("seed")
     free = manager.find_longest_hit("y")
     assert free.num_tokens == 36 and free.ends_on_free_block
+
+
+@pytest.mark.parametrize("admission", ["fcfs", "warm"])
+def test_a_request_no_pool_can_take_is_named_under_every_order(admission: str) -> None:
+    # Found by the bound property test under ``warm``: r2 (33 tokens) needs 13 blocks of a
+    # 12-block pool. ``warm`` picks it before r1, so the refused request is r2, not the
+    # first-come one: the replay must name r2 (PoolTooSmallError), not report a stall.
+    requests = (TraceRequest("r0", 17, 1, block_ids=(1,), trace_block_size=16),
+                TraceRequest("r1", 1, 1, block_ids=(), trace_block_size=16),
+                TraceRequest("r2", 33, 1, block_ids=(1, 1), trace_block_size=16))
+    config = CacheConfig.from_layers(
+        [FullAttentionSpec(16, 8), SlidingWindowSpec(8, 16, 20), SlidingWindowSpec(8, 16, 20)],
+        num_blocks=12, max_num_batched_tokens=16)
+    with pytest.raises(PoolTooSmallError, match="'r2'"):
+        replay(Trace("t", requests), config, "latest",
+               ReplaySettings(max_running=1, chunk_size=16, admission=admission))

@@ -116,6 +116,8 @@ class Scheduler:
         self.running: list[SchedRequest] = []
         self.requests: dict[str, SchedRequest] = {}
         self.num_preemptions = 0
+        self.last_refused: SchedRequest | None = None
+        """The request whose admission this step refused (the pool could not take it)."""
         self.num_steps = 0
         self._active_session: dict[str, str] = {}
         self._unfinished_by_phase: dict[int, int] = {}
@@ -166,6 +168,7 @@ class Scheduler:
 
     def _schedule(self) -> StepPlan:
         self.num_steps += 1
+        self.last_refused = None
         if self._to_check:
             self._stamp_eligible()
         self.manager.new_step()
@@ -271,6 +274,7 @@ class Scheduler:
         allocation = manager.allocate_slots(req_id, num_new, hit,
                                             reserve_full_prompt=self.reserve_full_prompt)
         if allocation is None:
+            self.last_refused = request
             return None
         self.waiting.remove(request)
         self.running.append(request)
