@@ -1,4 +1,4 @@
-"""The ``hybridkv`` command line: replay, sweep, check-trace, verify.
+"""The ``hybridkv`` command line: replay, sweep, check-trace, verify, cluster.
 
 Exit codes: 0 success; 1 ``verify`` found a divergence, or a bug (its traceback is kept);
 2 bad input: a ``HybridKVError`` or a bad option, as one line on stderr naming what was
@@ -23,6 +23,8 @@ from typing import NoReturn
 from rich.console import Console
 
 from hybridkv.argtypes import non_empty_str, positive_int
+from hybridkv.cluster.command import add_cluster_arguments, cmd_cluster
+from hybridkv.cluster.report import CLUSTER_HELP
 from hybridkv.errors import ConfigError, HybridKVError
 from hybridkv.policies import CORE_POLICIES
 from hybridkv.sim.admission import ORDERS
@@ -139,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--model", type=non_empty_str, default=None)
     check.add_argument("--limit", type=positive_int, default=None)
 
+    cluster = sub.add_parser("cluster", help="replay a trace over N instances behind a router",
+                             description=CLUSTER_HELP,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cluster_arguments(cluster, _add_source_arguments,
+                          lambda p: _add_pool_arguments(p, many=False), _path)
+
     _add_verify_parser(sub)
     return parser
 
@@ -197,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             err_console = Console(stderr=True)
             commands: dict[str, Callable[[argparse.Namespace, Console, Console], int]] = {
                 "replay": cmd_replay, "sweep": cmd_sweep, "check-trace": cmd_check_trace,
-                "verify": _cmd_verify,
+                "verify": _cmd_verify, "cluster": cmd_cluster,
             }
             return commands[args.command](args, console, err_console)
     except HybridKVError as err:
