@@ -101,7 +101,14 @@ needs_proc = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="ne
 def _spawn(argv: list[str], cwd: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     return subprocess.Popen([sys.executable, "-m", "hybridkv.cli", *argv], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)  # noqa: PLW1509 - only a signal call
+
+
+def _default_sigint() -> None:
+    """A shell's background job starts with SIGINT ignored, and Python keeps it ignored:
+    give the child the default disposition, as a terminal's foreground process has."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _children(pid: int) -> list[int]:
