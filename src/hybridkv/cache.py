@@ -87,6 +87,14 @@ class PrefixHit:
     def block_ids(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(b.block_id for b in table) for table in self._tables)
 
+    @property
+    def ends_on_free_block(self) -> bool:
+        """Some group's hit table ends on a cached block no running request holds (the
+        next allocations may evict it; a chain is freed and evicted tail first). Reads the
+        last block of each table only, without building views."""
+        return any(table and not table[-1].is_null and table[-1].ref_count == 0
+                   for table in self._tables)
+
 
 @dataclass(frozen=True, slots=True)
 class Allocation:

@@ -192,3 +192,19 @@ def test_may_extend_and_lookup_version_track_what_can_change_a_hit() -> None:
     unchanged = manager.lookup_version
     assert manager.find_longest_hit("y").num_tokens == 36
     assert manager.lookup_version == unchanged  # lookups never move it
+
+
+def test_a_hit_ends_on_a_free_block_only_once_its_holder_released_it() -> None:
+    # ``warm`` ranks hits on free blocks (evictable by the next allocation) first: while
+    # "seed" runs, "y"'s hit is on blocks "seed" holds; once "seed" is freed, on free ones.
+    config = CacheConfig.from_layers([FullAttentionSpec(4, 1), SlidingWindowSpec(4, 1, 8)], 64)
+    manager = KVCacheManager(config, "dense")
+    seed = list(range(40))
+    manager.add_request("seed", seed)
+    assert manager.allocate_slots("seed", 40) is not None
+    manager.add_request("y", seed[:37])
+    held = manager.find_longest_hit("y")
+    assert held.num_tokens == 36 and not held.ends_on_free_block
+    manager.free("seed")
+    free = manager.find_longest_hit("y")
+    assert free.num_tokens == 36 and free.ends_on_free_block

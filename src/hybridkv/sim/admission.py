@@ -239,16 +239,15 @@ class AtRiskHitOrder(LongestHitOrder):
     candidate loses nothing by waiting. A hit on free (cached, unreferenced) blocks is
     at risk: the next allocations may evict it. So candidates whose hit ends on a free
     block (in any group: a usable hit needs every group) rank first, by hit length; then
-    the others, by hit length. The check reads only the last block of each group's hit
-    table (a chain is freed and evicted tail first).
+    the others, by hit length. The check (``PrefixHit.ends_on_free_block``) reads only the
+    last block of each group's hit table (a chain is freed and evicted tail first).
 
     >>> from types import SimpleNamespace as NS
-    >>> held, free = NS(is_null=False, ref_count=1), NS(is_null=False, ref_count=0)
     >>> order = AtRiskHitOrder()
     >>> r = NS(prompt_token_ids=range(1000))
-    >>> safe = order.score(r, NS(num_tokens=512, blocks=((held,), (held,))))
-    >>> risky = order.score(r, NS(num_tokens=256, blocks=((held,), (free,))))
-    >>> risky > safe > order.score(r, NS(num_tokens=256, blocks=((held,), (held,))))
+    >>> safe = order.score(r, NS(num_tokens=512, ends_on_free_block=False))
+    >>> risky = order.score(r, NS(num_tokens=256, ends_on_free_block=True))
+    >>> risky > safe > order.score(r, NS(num_tokens=256, ends_on_free_block=False))
     True
     """
 
@@ -260,9 +259,7 @@ class AtRiskHitOrder(LongestHitOrder):
     def score(self, request: SchedRequest, hit: PrefixHit | None) -> float:
         if hit is None or not hit.num_tokens:
             return 0.0
-        at_risk = any(table and not table[-1].is_null and table[-1].ref_count == 0
-                      for table in hit.blocks)
-        return (self.RISK_WEIGHT + 1.0) * hit.num_tokens if at_risk else \
+        return (self.RISK_WEIGHT + 1.0) * hit.num_tokens if hit.ends_on_free_block else \
             float(hit.num_tokens)
 
     def ceiling(self, request: SchedRequest) -> float:
