@@ -50,6 +50,7 @@ from hybridkv.sim.model import load_model, num_blocks_for_memory, parse_size
 from hybridkv.sim.replay import LazyPrompt
 from hybridkv.sim.scheduler import SchedRequest, Scheduler
 from hybridkv.sim.trace import OUTPUT_TOKEN_BASE, Trace
+from hybridkv.sim.workloads import make_workload
 
 REFERENCE_HIT_RATES: dict[tuple[str, int, str, int, str], float] = {
     # replay-protocol.md "Reference numbers": vLLM 0.33.0 under protocol v1, in percent.
@@ -222,7 +223,12 @@ def _print_row(row: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", help="trace file or directory")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--trace", help="trace file or directory")
+    source.add_argument("--workload", default=None,
+                        help="a named workload instead of a trace (hybridkv replay's names)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="workload parameter (repeatable), as hybridkv replay --set")
     parser.add_argument("--model", required=True, help="preset name or model .toml")
     sizing = parser.add_mutually_exclusive_group()
     sizing.add_argument("--num-blocks", type=int,
@@ -259,12 +265,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed_blocks = False
     if args.check_kv_memory:
         failed_blocks = check_block_counts(args)
-        if args.trace is None:
+        if args.trace is None and args.workload is None:
             return 1 if failed_blocks else 0
-    if args.trace is None or (args.num_blocks is None and args.kv_memory is None):
-        parser.error("--trace and --num-blocks (or --kv-memory) are required unless "
-                     "--check-kv-memory runs alone")
-    trace = load_trace(args.trace, limit=args.limit)
+    if (args.trace is None and args.workload is None) or (
+            args.num_blocks is None and args.kv_memory is None):
+        parser.error("--trace (or --workload) and --num-blocks (or --kv-memory) are required "
+                     "unless --check-kv-memory runs alone")
+    if args.workload is not None:
+        params = dict(item.split("=", 1) for item in args.set)
+        trace = make_workload(args.workload, **params)
+        args.trace = f"workload {args.workload} {' '.join(args.set)}".strip()
+    else:
+        trace = load_trace(args.trace, limit=args.limit)
     shape = load_model(args.model)
     if args.kv_memory is not None:
         from vllm_adapter import vllm_num_blocks_for_memory

@@ -8,6 +8,7 @@ is left behind. The signal probes at the end run the CLI in a real subprocess.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -593,10 +594,29 @@ def test_readme_has_no_placeholder_paths() -> None:
 
 
 # ---------------------------------------------------------------- signals (subprocess)
+_SPAWNED: list[subprocess.Popen[str]] = []
+
+
 def _spawn(argv: list[str], cwd: Path) -> subprocess.Popen[str]:
+    """Start the CLI in its own process group; ``_reap_spawned`` kills what a failed or
+    interrupted test left running (a long replay must not outlive its test)."""
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    return subprocess.Popen([sys.executable, "-m", "hybridkv.cli", *argv], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", *argv], cwd=cwd, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    _SPAWNED.append(process)
+    return process
+
+
+@pytest.fixture(autouse=True)
+def _reap_spawned() -> Iterator[None]:
+    yield
+    while _SPAWNED:
+        process = _SPAWNED.pop()
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
 
 
 def _children(pid: int) -> list[int]:
