@@ -214,10 +214,17 @@ class KVCacheManager:
         """Wall time spent hashing prompts in ``add_request`` (vLLM does it in its Request)."""
         self._event_log: EventLog | None = None
         if enable_kv_cache_events:
-            self._start_events()
+            self.start_kv_cache_events()
 
-    def _start_events(self) -> None:
-        """Turn KV events on: the pool appends raw records to the log's list."""
+    def start_kv_cache_events(self) -> None:
+        """Turn KV events on (as ``enable_kv_cache_events=True`` does) for a manager
+        constructed without them, before its first request: the stream then describes
+        every cached block. No-op when already on."""
+        if self._event_log is not None:
+            return
+        if self._requests or any(b.block_hash is not None for b in self.pool.blocks):
+            raise RequestError("start_kv_cache_events: the manager already has requests "
+                               "or cached blocks; turn events on before the first request")
         try:
             from hybridkv.events.manager_hook import make_event_log
         except ImportError as err:  # the optional dependency is missing

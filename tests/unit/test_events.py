@@ -166,7 +166,7 @@ def test_window_landings_follow_the_tail() -> None:
     chain = [external_hash(h) for h in manager.hasher.hash_blocks(list(range(13)))]
     events = manager.take_events()
     window = next(e for e in events if isinstance(e, BlockStored) and e.group_idx == 1)
-    assert window.landing_hashes == chain[:3]
+    assert window.landing_hashes is not None and set(window.landing_hashes) == set(chain[:3])
     manager.remove_request("a")
     manager.evict_prefix(list(range(8)))  # drops blocks 0 and 1 of both groups
     removed = [e for e in manager.take_events() if isinstance(e, BlockRemoved)]

@@ -21,9 +21,13 @@ Residency (``landing_hashes``). For a non-full group, a hit at an aligned ``p`` 
 ``k = manager.hit_tail_blocks(p)`` blocks ending at ``p`` (window tails, the recurrent
 checkpoint at ``p``, compressor state). The log keeps, per group, the resident hashes (with
 their number of copies) and the set of *landable* ``p`` — each named by the chained hash of
-``[0, p)``, which is also the full-attention block hash ending at ``p`` — and reports each
-change on the event that caused it. Worked example (bs 4, window 8 → 2 tail blocks,
-alignment 4): storing blocks 0–2 of a chain ``h0 h1 h2`` in one run lands ``p = 4``
+``[0, p)``, which is also the hash of the group's block ending at ``p`` — and reports each
+change on the event that caused it. It tracks, per resident block, how many resident
+blocks in a row end at it along its chain (capped at the largest tail): ``p`` is landable
+when that run reaches ``k``; a store or removal updates the runs of the resident blocks
+after it on its chains (usually none: runs are stored in order and freed tail first).
+Worked example (bs 4, window 8 → 2 tail blocks, alignment 4): storing blocks 0–2 of a
+chain ``h0 h1 h2`` in one run lands ``p = 4``
 (``k = 1``: a run from block 0 suffices), ``8`` (blocks 0–1) and ``12`` (blocks 1–2):
 ``landing_hashes = [h0, h1, h2]``; removing block 1 then reports ``[h1, h2]`` (8 and 12
 need it), and 4 stays landable.
@@ -114,20 +118,26 @@ class EventLog:
         self.lookahead_tokens = lookahead_tokens
         self.medium = medium
         self._events: list[KVEvent] = []
-        self._positions: dict[str, tuple[dict[BlockHash, int], int]] = {}
+        self._positions: dict[str, tuple[dict[BlockHash, int], list[int]]] = {}
         num_groups = len(self.groups)
         self.resident: list[dict[int, int]] = [{} for _ in range(num_groups)]
         """Per group: external hash → cached copies (what the events say is cached)."""
         self.landable: list[set[int]] = [set() for _ in range(num_groups)]
-        self._tails: list[dict[int, tuple[int, ...]]] = [{} for _ in range(num_groups)]
-        self._supports: list[dict[int, set[int]]] = [{} for _ in range(num_groups)]
+        """Per non-full group: keys of blocks ending at a point where a hit can land."""
+        self._run: list[dict[int, int]] = [{} for _ in range(num_groups)]
+        """Per non-full group: resident key → resident blocks in a row ending at it along
+        its chain (capped at the largest tail)."""
+        self._node: list[dict[int, tuple[int, int | None]]] = [{} for _ in range(num_groups)]
+        """Per non-full group: resident key → (table position, chain predecessor key)."""
+        self._children: list[dict[int, set[int]]] = [{} for _ in range(num_groups)]
+        """Per non-full group: key → resident keys whose predecessor it is."""
 
     # ------------------------------------------------------------------ intake
     def clear(self) -> None:
         """``reset_prefix_cache``: one ``AllBlocksCleared`` after what came before."""
         self.flush(None)
         self._events.append(AllBlocksCleared())
-        for per_group in (self.resident, self.landable, self._tails, self._supports):
+        for per_group in (self.resident, self.landable, self._run, self._node, self._children):
             for entry in per_group:
                 entry.clear()
 
@@ -165,15 +175,25 @@ class EventLog:
         return events
 
     # --------------------------------------------------------------- resolving
+    def _indexed(self, request: RequestContext) -> tuple[dict[BlockHash, int], list[int]]:
+        """The request's hash → chain position index and external chain, extended to its
+        current hashes (kept until ``forget``)."""
+        entry = self._positions.get(request.req_id)
+        if entry is None:
+            entry = self._positions[request.req_id] = ({}, [])
+        index, chain = entry
+        hashes = request.block_hashes
+        for k in range(len(chain), len(hashes)):
+            index[hashes[k]] = k
+            chain.append(external_hash(hashes[k]))
+        return entry
+
+    def _external_chain(self, request: RequestContext) -> list[int]:
+        return self._indexed(request)[1]
+
     def _block_position(self, request: RequestContext, group_id: int,
                         block_hash: BlockHash) -> int:
-        index, num_indexed = self._positions.get(request.req_id, ({}, 0))
-        hashes = request.block_hashes
-        if num_indexed < len(hashes):
-            for k in range(num_indexed, len(hashes)):
-                index[hashes[k]] = k
-            self._positions[request.req_id] = (index, len(hashes))
-        found = index.get(block_hash)
+        found = self._indexed(request)[0].get(block_hash)
         ratio = self.groups[group_id].hash_ratio
         if found is None or (found + 1) % ratio:
             raise InvariantViolation(f"group {group_id} cached a hash that is not a block "
@@ -186,25 +206,26 @@ class EventLog:
             return
         info = self.groups[group_id]
         bs, ratio = info.block_size, info.hash_ratio
-        hashes = request.block_hashes
+        chain = self._external_chain(request)
         first, last = run[0], run[-1]
-        stored = [hashes[(i + 1) * ratio - 1] for i in range(first, last + 1)]
+        keys = [chain[(i + 1) * ratio - 1] for i in range(first, last + 1)]
         landings: list[int] = []
-        for i, block_hash in zip(range(first, last + 1), stored, strict=True):
-            landings.extend(self._store(info, i, block_hash, hashes))
+        parent = None if first == 0 else chain[first * ratio - 1]
+        for position, key in zip(range(first, last + 1), keys, strict=True):
+            self._store(info, position, key, parent, landings)
+            parent = key
         tokens = request.token_ids
         lookahead = self.lookahead_tokens
-        keys = request.extra_keys
+        extra = request.extra_keys
         self._events.append(BlockStored(
-            block_hashes=[external_hash(h) for h in stored],
-            parent_block_hash=None if first == 0 else
-            external_hash(hashes[first * ratio - 1]),
+            block_hashes=list(keys),
+            parent_block_hash=None if first == 0 else chain[first * ratio - 1],
             token_ids=list(tokens[first * bs : (last + 1) * bs]),
             block_size=bs,
             lora_id=None,
             medium=self.medium,
-            lora_name=None if keys is None else keys.lora_name,
-            extra_keys=[_event_extra_keys(keys, i * bs, (i + 1) * bs + lookahead)
+            lora_name=None if extra is None else extra.lora_name,
+            extra_keys=[_event_extra_keys(extra, i * bs, (i + 1) * bs + lookahead)
                         for i in range(first, last + 1)],
             group_idx=group_id,
             kv_cache_spec_kind=info.kind,
@@ -216,38 +237,59 @@ class EventLog:
         ))
 
     # --------------------------------------------------------------- residency
-    def _store(self, info: GroupEventInfo, position: int, block_hash: BlockHash,
-               hashes: Sequence[BlockHash]) -> list[int]:
-        """Count one more copy; return the points this copy made landable."""
-        resident = self.resident[info.group_id]
-        key = external_hash(block_hash)
+    def _store(self, info: GroupEventInfo, position: int, key: int, parent: int | None,
+               added: list[int]) -> None:
+        """Count one more copy of ``key`` (the group's block at ``position``, whose chain
+        predecessor is ``parent``); append the points it made landable to ``added``."""
+        group_id = info.group_id
+        resident = self.resident[group_id]
         copies = resident.get(key, 0)
         resident[key] = copies + 1
         if copies or info.max_tail_blocks == 0:
-            return []
-        bs, align, hb = info.block_size, self.alignment_tokens, self.hash_block_size
-        tails, supports = self._tails[info.group_id], self._supports[info.group_id]
-        landable = self.landable[info.group_id]
-        added: list[int] = []
-        # points p (multiples of align) whose tail can contain block `position`:
-        # position * bs < p <= (position + max_tail) * bs, within the chain
-        first_p = (position * bs // align + 1) * align
-        last_p = min((position + info.max_tail_blocks) * bs, len(hashes) * hb)
-        for p in range(first_p, last_p + 1, align):
-            k = info.tail_blocks(p)
-            if not k or p // bs - k > position:
+            return
+        self._node[group_id][key] = (position, parent)
+        runs = self._run[group_id]
+        run = 1
+        if parent is not None:
+            self._children[group_id].setdefault(parent, set()).add(key)
+            run = min(info.max_tail_blocks, 1 + runs.get(parent, 0))
+        if key in self._children[group_id]:  # resident blocks after it: carry the run down
+            self._propagate(info, key, run, added)
+            return
+        runs[key] = run  # the common case: the newest block of its chain
+        end = (position + 1) * info.block_size
+        if end % self.alignment_tokens == 0:
+            need = info.tail_blocks(end)
+            if need and run >= need:
+                self.landable[group_id].add(key)
+                added.append(key)
+
+    def _propagate(self, info: GroupEventInfo, key: int, run: int, changed: list[int]) -> None:
+        """Set the resident-run length ending at ``key`` (capped at the largest tail) and
+        carry the change down to resident descendants; record landability flips."""
+        group_id = info.group_id
+        runs, nodes = self._run[group_id], self._node[group_id]
+        children, landable = self._children[group_id], self.landable[group_id]
+        cap = info.max_tail_blocks
+        stack = [(key, run)]
+        while stack:
+            node, value = stack.pop()
+            if runs.get(node) == value:
                 continue
-            end = p // bs
-            tail = tuple(external_hash(hashes[(j + 1) * info.hash_ratio - 1])
-                         for j in range(end - k, end))
-            landing = external_hash(hashes[p // hb - 1])
-            tails[landing] = tail
-            for member in tail:
-                supports.setdefault(member, set()).add(landing)
-            if landing not in landable and all(member in resident for member in tail):
-                landable.add(landing)
-                added.append(landing)
-        return added
+            runs[node] = value
+            position = nodes[node][0]
+            end = (position + 1) * info.block_size
+            if end % self.alignment_tokens == 0:
+                need = info.tail_blocks(end)
+                if need:
+                    if value >= need and node not in landable:
+                        landable.add(node)
+                        changed.append(node)
+                    elif value < need and node in landable:
+                        landable.discard(node)
+                        changed.append(node)
+            for child in children.get(node, ()):
+                stack.append((child, min(cap, value + 1)))
 
     def _remove(self, group_id: int, block_hash: BlockHash) -> None:
         key = external_hash(block_hash)
@@ -258,25 +300,47 @@ class EventLog:
         lost: list[int] = []
         if copies == 1:
             del resident[key]
-            landable = self.landable[group_id]
-            for landing in sorted(self._supports[group_id].pop(key, ())):
-                if landing in landable:
-                    landable.discard(landing)
-                    lost.append(landing)
+            if key in self._run[group_id]:
+                self._unlink(self.groups[group_id], key, lost)
         else:
             resident[key] = copies - 1
         self._events.append(BlockRemoved(block_hashes=[key], medium=self.medium,
                                          group_idx=group_id, landing_hashes=lost or None))
 
+    def _unlink(self, info: GroupEventInfo, key: int, lost: list[int]) -> None:
+        """The last copy of ``key`` left: its point and those whose tail ran through it
+        (resident descendants within the largest tail) may stop being landable."""
+        group_id = info.group_id
+        del self._run[group_id][key]
+        _, parent = self._node[group_id].pop(key)
+        children = self._children[group_id]
+        if parent is not None:
+            siblings = children.get(parent)
+            if siblings is not None:
+                siblings.discard(key)
+                if not siblings:
+                    del children[parent]
+        landable = self.landable[group_id]
+        if key in landable:
+            landable.discard(key)
+            lost.append(key)
+        for child in list(children.get(key, ())):
+            self._propagate(info, child, 1, lost)
+
     def check_invariants(self) -> None:
         for group_id, resident in enumerate(self.resident):
             if any(copies <= 0 for copies in resident.values()):
                 raise InvariantViolation(f"group {group_id}: a non-positive copy count")
-            tails = self._tails[group_id]
-            for landing in self.landable[group_id]:
-                if any(member not in resident for member in tails[landing]):
-                    raise InvariantViolation(f"group {group_id}: landable point "
-                                             f"{landing:#x} lacks a tail block")
+            runs = self._run[group_id]
+            if not self.landable[group_id] <= runs.keys() <= resident.keys():
+                raise InvariantViolation(f"group {group_id}: landable or run entries of "
+                                         "blocks that are not resident")
+            for key, run in runs.items():
+                parent = self._node[group_id][key][1]
+                expected = 1 if parent not in runs else min(
+                    self.groups[group_id].max_tail_blocks, runs[parent] + 1)
+                if run != expected:
+                    raise InvariantViolation(f"group {group_id}: run {run} != {expected}")
 
 
 def _event_extra_keys(keys: ExtraKeys | None, start: int, end: int,
