@@ -7,9 +7,11 @@ Runs, in fresh processes one after another: the legacy block MIN (``offline_opti
 ``bound`` of before issue 15, trace order), ``bound_fa`` and ``bound`` (``fa_optimum`` /
 ``hybrid_optimum`` over a trace-order admission log). ``bound``'s held blocks are a
 deterministic profile — ``--held-fraction`` of the pool at every admission, ±50% in a
-sawtooth — since a real log needs a full replay; the cost does not depend on the values
-beyond how often the capacity binds. Prints seconds and peak RSS (MiB) of each, and the
-ratios to the legacy bound. Trace loading is timed apart and excluded.
+sawtooth — and its pins too: every admission holds all its units for ``--hold-events``
+admissions (16: ``--max-running``'s default), since a real log needs a full replay; the
+cost does not depend on the values beyond how often the capacity binds. Prints seconds
+and peak RSS (MiB) of each, and the ratios to the legacy bound. Trace loading is timed
+apart and excluded.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def measure(args: argparse.Namespace) -> None:
     base = int(args.held_fraction * (args.num_blocks - 1))
     for e in range(len(log)):
         log.held_blocks[e] = base // 2 + (e * 7919) % (base + 1)
+        log.release[e] = e + args.hold_events - 1
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     started = time.perf_counter()
     if args.kind == "legacy":
@@ -63,6 +66,7 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=308305)
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--held-fraction", type=float, default=0.2)
+    parser.add_argument("--hold-events", type=int, default=16)
     parser.add_argument("--kind", choices=KINDS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.kind is not None:
@@ -72,7 +76,8 @@ def main() -> None:
     for kind in KINDS:
         command = [sys.executable, __file__, "--trace", args.trace, "--model", args.model,
                    "--num-blocks", str(args.num_blocks), "--held-fraction",
-                   str(args.held_fraction), "--kind", kind]
+                   str(args.held_fraction), "--hold-events", str(args.hold_events),
+                   "--kind", kind]
         if args.limit is not None:
             command += ["--limit", str(args.limit)]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout

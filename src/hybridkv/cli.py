@@ -63,19 +63,25 @@ def _version() -> str:
         return "unknown"
 
 
-def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--trace", type=non_empty_str,
-                       help="trace file or directory (Mooncake, WEKA, RAGPulse, native)")
-    group.add_argument("--workload", type=non_empty_str,
+def _add_source_arguments(parser: argparse.ArgumentParser, *, many: bool = False) -> None:
+    group = parser if many else parser.add_mutually_exclusive_group()
+    repeat = " (repeatable)" if many else ""
+    group.add_argument("--trace", type=non_empty_str, action="append" if many else "store",
+                       help="trace file or directory (Mooncake, WEKA, RAGPulse, native)"
+                       + repeat)
+    group.add_argument("--workload", type=non_empty_str, action="append" if many else "store",
                        help="synthetic workload: retention-microbench, agentic, "
                        f"aba, shared-prefix, shared-prefix-suffix, short-prompts, long-context "
-                       f"(default: {DEFAULT_WORKLOAD})")
+                       f"(default: {DEFAULT_WORKLOAD})" + (
+                           "; repeatable or comma-separated, mixes with --trace" if many
+                           else ""))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="workload parameter (repeatable), e.g. --set num_sessions=8 "
                         "or --set fractions=0.1,0.5")
     parser.add_argument("--model", type=non_empty_str, default=None,
-                        help=f"preset name or a .toml path (default: {DEFAULT_MODEL})")
+                        action="append" if many else "store",
+                        help=f"preset name or a .toml path (default: {DEFAULT_MODEL})"
+                        + ("; repeatable or comma-separated" if many else ""))
     parser.add_argument("--limit", type=positive_int, default=None,
                         help="first N requests only")
     parser.add_argument("--max-running", type=positive_int, default=None,
@@ -127,13 +133,33 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replay policies in this many processes (default 1)")
     _add_observer_arguments(replay)
 
-    sweep = sub.add_parser("sweep", help="pool sizes × policies → CSV and PNG")
-    _add_source_arguments(sweep)
+    sweep = sub.add_parser(
+        "sweep", help="traces × models × pool sizes × policies → table, CSV, JSON, PNG",
+        description="Replay every cell of traces × models × pool sizes × policies × "
+        "admission orders, in parallel (--jobs) or on Ray (--ray). With --results DIR each "
+        "finished cell is stored there and a re-run skips it (the key covers the trace's "
+        "content, the model, pool, policy, admission, scheduler settings and hybridkv's "
+        "code). Files are written only where --csv / --json / --plot say.")
+    _add_source_arguments(sweep, many=True)
     _add_pool_arguments(sweep, many=True)
-    sweep.add_argument("--policy", default="core", type=non_empty_str)
-    sweep.add_argument("--csv", type=_path, default=Path("sweep.csv"))
-    sweep.add_argument("--plot", type=_path, default=Path("sweep.png"))
-    sweep.add_argument("--quiet", action="store_true")
+    sweep.add_argument("--policy", default="core", type=non_empty_str,
+                       help="comma-separated policies, 'core' (default) or 'all'")
+    sweep.add_argument("--csv", type=_path, help="write one row per cell as CSV")
+    sweep.add_argument("--json", type=_path, help="write the cells as JSON")
+    sweep.add_argument("--plot", type=_path,
+                       help="write hit rate vs pool size, a panel per trace × model "
+                       "(.png, .pdf, .svg, … by the extension)")
+    sweep.add_argument("--results", type=_path, metavar="DIR",
+                       help="keep finished cells in DIR (created if missing) and reuse "
+                       "them: a re-run computes only the missing or changed cells")
+    sweep.add_argument("--jobs", type=positive_int, default=None,
+                       help="cells in this many processes (default 1; with --ray: the "
+                       "local Ray's CPUs, default all)")
+    sweep.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                       type=non_empty_str,
+                       help="run the cells as Ray tasks: a local Ray, or the cluster at "
+                       "ADDRESS (needs pip install 'hybridkv[ray]')")
+    sweep.add_argument("--quiet", action="store_true", help="no progress bar")
 
     check = sub.add_parser("check-trace", help="validate a trace and print its statistics")
     check.add_argument("path", type=non_empty_str)
@@ -201,6 +227,12 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def _notes(err: BaseException) -> str:
+    """Notes a command added to an interruption (``add_note``; e.g. where a sweep kept its
+    finished cells), appended to the one line."""
+    return "".join(f"; {_one_line(note)}" for note in getattr(err, "__notes__", ()))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     name = "hybridkv"
@@ -220,11 +252,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HybridKVError as err:
         print(f"{name}: error: {_one_line(str(err))}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted (Ctrl-C); no output written", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        print(f"{name}: interrupted (Ctrl-C); no output written{_notes(err)}",
+              file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Terminated:
-        print(f"{name}: terminated (SIGTERM); no output written", file=sys.stderr)
+    except Terminated as err:
+        print(f"{name}: terminated (SIGTERM); no output written{_notes(err)}",
+              file=sys.stderr)
         return EXIT_TERMINATED
     except BrokenPipeError:  # stdout closed early (| head): nothing left to say
         with contextlib.suppress(OSError):

@@ -549,13 +549,14 @@ def test_microbench_fraction_lists_parse(inputs: Path, out: Path,
 def test_sweep_keeps_finished_cells_when_a_pool_size_fails(
         inputs: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> None:
     outcome = run_cli(_argv([*SWEEP, "--num-blocks", "2,200"], inputs, out), capsys)
-    assert_clean_failure(outcome, 2, "1 of 2 cells failed (pool sizes 2)")
+    assert_clean_failure(outcome, 2, "1 of 2 cells failed (pool sizes tiny-hybrid: 2)")
     assert "the 1 finished cells are in" in outcome.stderr
     rows = (out / "s.csv").read_text().splitlines()
-    assert rows[0].startswith("policy,num_blocks") and rows[1].startswith("latest,200,")
+    assert rows[0].startswith("trace,model,num_blocks")
+    assert rows[1].startswith("aba,tiny-hybrid,200,")
     assert len(rows) == 2
     assert (out / "s.png").stat().st_size > 0
-    assert "failed" in outcome.stdout and "hit rate by pool size" in outcome.stdout
+    assert "failed" in outcome.stdout and "aba on tiny-hybrid" in outcome.stdout
 
 
 def test_sweep_prints_its_table(inputs: Path, out: Path,
@@ -564,7 +565,7 @@ def test_sweep_prints_its_table(inputs: Path, out: Path,
                             inputs, out), capsys)
     assert outcome.code == 0, outcome.stderr
     table = outcome.stdout
-    assert "hit rate by pool size" in table and "200" in table
+    assert "aba on tiny-hybrid" in table and "200" in table and "ceiling" in table
     assert "dense" in table and "latest" in table and "%" in table
 
 

@@ -130,7 +130,7 @@ def test_plot_sweep_and_check_trace(tiny_model: Path, tmp_path: Path,
                  str(tiny_model), "--num-blocks", "20,100", "--policy", "dense,latest",
                  "--csv", str(csv_path), "--plot", str(png), "--quiet"]) == 0
     lines = csv_path.read_text().splitlines()
-    assert lines[0].startswith("policy,num_blocks,hit_rate")
+    assert lines[0].startswith("trace,model,num_blocks,kv_memory,pool_bytes,policy")
     assert len(lines) == 1 + 2 * 2
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(json.dumps(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hybridkv import CacheConfig, FullAttentionSpec, SlidingWindowSpec
-from hybridkv.sim.bound import AdmissionLog, BoundShape, hybrid_optimum
+from hybridkv.sim.bound import AdmissionLog, BoundShape, fa_optimum, hybrid_optimum
 from hybridkv.sim.misses import MissCauses, split_miss
 from hybridkv.sim.replay import ReplaySettings, RunResult, attach_bounds, replay
 from hybridkv.sim.trace import Trace, TraceRequest
@@ -107,3 +107,41 @@ def test_hybrid_bound_charges_what_running_requests_hold() -> None:
         log = AdmissionLog.in_trace_order(trace)
         log.held_blocks[0] = held
         assert hybrid_optimum(trace, log, shape).hit_tokens == hit, held
+
+
+def test_hybrid_bound_pins_what_running_requests_hold() -> None:
+    # Pool of 2 units (3 blocks, A 16, nothing else held). r0 computes x and finishes; r1
+    # and r2 compute y and z (never read again) and both still run at r2's admission, so
+    # the pool holds y and z and x must have gone: r3's read of x cannot hit. bound_fa
+    # (nothing pinned) keeps x; the hybrid bound pins y and z and evicts x.
+    reqs = (_req("r0", (1,), 1), _req("r1", (2,), 1), _req("r2", (3,), 1), _req("r3", (1,), 1))
+    trace = Trace("t", reqs)
+    shape = BoundShape(num_blocks=3, unit_tokens=16, unit_blocks=1, fa_block_size=16)
+    log = AdmissionLog()
+    log.append(0, True, 0, held_units=1)
+    log.release_at(0, 0)  # r0 finished before r1's admission
+    log.append(1, True, 0, held_units=1)
+    log.append(2, True, 0, held_units=1)
+    log.release_at(1, 2)
+    log.release_at(2, 2)  # both finished after r2's admission
+    log.append(3, True, 0, held_units=1)
+    assert fa_optimum(trace, log, shape).hit_tokens == 16
+    assert hybrid_optimum(trace, log, shape).hit_tokens == 0
+    log.release[1] = 1  # r1 finished before r2's admission: room for x again
+    assert hybrid_optimum(trace, log, shape).hit_tokens == 16
+
+
+def test_units_enter_the_bound_when_allocated() -> None:
+    # r0's 2-unit prompt is allocated in two chunks: unit 1 only after r1's admission, so
+    # r1 (reading both units) can hit unit 0 only, whatever the capacity.
+    reqs = (_req("r0", (1, 2), 1), _req("r1", (1, 2), 1))
+    trace = Trace("t", reqs)
+    shape = BoundShape(num_blocks=10, unit_tokens=16, unit_blocks=1, fa_block_size=16)
+    log = AdmissionLog()
+    log.append(0, True, 0, held_units=1)
+    log.append(1, True, 0, held_units=0)
+    log.grow(2, 0, 2)  # seen holding unit 1 only after event 1
+    assert hybrid_optimum(trace, log, shape).hit_tokens == 16
+    assert fa_optimum(trace, log, shape).hit_tokens == 16
+    log.growth_events[0] = 1  # allocated before r1's lookup: r1 hits both
+    assert hybrid_optimum(trace, log, shape).hit_tokens == 32

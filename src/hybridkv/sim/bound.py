@@ -7,19 +7,22 @@ each is an upper bound is in ``docs/design.md`` ("The offline bounds"):
 - ``bound_fa`` (``unit_optimum`` with a constant capacity): the pool as if every non-null
   block held full-attention KV of one group: ``(num_blocks - 1) * bs / A`` units.
 - ``bound`` (``hybrid_optimum``): at each admission ``e`` the capacity is what is left after
-  the blocks held then that are *not* full-attention prompt KV —
+  the blocks held then that are *not* full-attention item KV —
   ``floor((num_blocks - 1 - held[e]) / u)`` units, ``u`` = full-attention blocks per unit
   summed over the full-attention groups. ``held[e]`` (recorded by the replay right after the
   allocation) counts running requests' window / chunked / other non-full blocks — the
   admitted request's own window tail (its hit point's state) included — and their
-  full-attention blocks past their prompts' last whole unit (decode, partial blocks).
+  full-attention blocks past their items' last whole unit (decode, partial blocks).
   Which held blocks are cache items is each group manager's hook
-  (``GroupManager.bound_item_blocks``): a new group kind is charged automatically.
+  (``GroupManager.bound_item_blocks``): a new group kind is charged automatically. The
+  units a running request holds are *pinned* while it holds them: they count against the
+  capacity and cannot be evicted (no online policy can evict them either).
 
-A request reads only the units a hit can use (``(n - 1) // A`` of an ``n``-token prompt, at
-its first admission); every admission inserts all its units (prompt, and predetermined
-outputs). Re-admissions after preemption and units past the usable depth insert without
-reading: the next "use" of a unit whose next occurrence only recomputes it is never.
+A request's units enter the cache when the replay sees it holding them (``AdmissionLog``:
+its admission, then the first admission after each later prefill chunk or decode block);
+a first admission reads the units a hit can use (``(n - 1) // A`` of an ``n``-token
+prompt). Re-admissions after preemption read nothing; the next "use" of a unit whose next
+occurrence recomputes (or re-holds) it is never.
 
 >>> from hybridkv.sim.trace import Trace, TraceRequest
 >>> reqs = tuple(TraceRequest(f"r{i}", 9, 1, block_ids=(ids,), trace_block_size=8)
@@ -66,6 +69,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import xxhash
 
@@ -241,32 +245,63 @@ def lru_full_attention(trace: Trace, capacity_tokens: int, block_size: int,
 
 @dataclass(slots=True)
 class AdmissionLog:
-    """The admissions of one replay, in order (first admissions and re-admissions).
+    """The admissions of one replay, in order (first admissions and re-admissions), and
+    when each admission's units were held.
 
     ``request_indices[e]``: trace index of the request admitted at event ``e``;
     ``reads[e]``: 1 on its first admission (the hit the report counts), 0 on a re-admission
     after preemption; ``held_blocks[e]``: blocks held right after that allocation that are not
-    full-attention prompt KV (the charge of ``hybrid_optimum``).
+    full-attention item KV (the charge of ``hybrid_optimum``); ``held_units[e]``: how many of
+    the request's units (a prefix) it holds right after that allocation (``-1``: all its
+    units, not held — the trace-order model); ``release[e]``: the last event whose check
+    sees that admission still holding its units (``e - 1``: never held); ``growth_*``: at
+    event ``growth_events[i]`` (before its lookup) admission ``growth_admissions[i]`` is
+    seen holding ``growth_units[i]`` units, more than before (later prefill chunks,
+    decode of predetermined outputs; at release, the final count).
     """
 
     request_indices: array[int] = field(default_factory=lambda: array("q"))
     reads: array[int] = field(default_factory=lambda: array("b"))
     held_blocks: array[int] = field(default_factory=lambda: array("q"))
+    held_units: array[int] = field(default_factory=lambda: array("q"))
+    release: array[int] = field(default_factory=lambda: array("q"))
+    growth_events: array[int] = field(default_factory=lambda: array("q"))
+    growth_admissions: array[int] = field(default_factory=lambda: array("q"))
+    growth_units: array[int] = field(default_factory=lambda: array("q"))
 
-    def append(self, request_index: int, is_first: bool, held_blocks: int) -> None:
+    def append(self, request_index: int, is_first: bool, held_blocks: int,
+               held_units: int = -1) -> int:
+        """Log an admission; returns its event index. Until ``release_at``, it is held
+        to the end (``_NEVER``); trace-order entries (``held_units`` -1) are never held."""
+        event = len(self.request_indices)
         self.request_indices.append(request_index)
         self.reads.append(1 if is_first else 0)
         self.held_blocks.append(held_blocks)
+        self.held_units.append(held_units)
+        self.release.append(event - 1 if held_units < 0 else _NEVER)
+        return event
+
+    def grow(self, event: int, admission: int, units: int) -> None:
+        """Admission ``admission`` holds ``units`` units from event ``event`` on."""
+        self.growth_events.append(event)
+        self.growth_admissions.append(admission)
+        self.growth_units.append(units)
+
+    def release_at(self, admission: int, last_event: int) -> None:
+        """Admission ``admission`` released its blocks after event ``last_event``."""
+        self.release[admission] = last_event
 
     def __len__(self) -> int:
         return len(self.request_indices)
 
     @classmethod
     def in_trace_order(cls, trace: Trace) -> AdmissionLog:
-        """Every request admitted once, in trace order, nothing held (FCFS without
-        preemption or session reordering)."""
-        n = len(trace.requests)
-        return cls(array("q", range(n)), array("b", [1]) * n, array("q", [0]) * n)
+        """Every request admitted once, in trace order, inserting all its units at its
+        admission, nothing held (FCFS without preemption, chunking or session reordering)."""
+        log = cls()
+        for i in range(len(trace.requests)):
+            log.append(i, True, 0)
+        return log
 
 
 def unit_keys(request: TraceRequest, index: int, unit_tokens: int) -> array[int]:
@@ -286,86 +321,253 @@ def unit_keys(request: TraceRequest, index: int, unit_tokens: int) -> array[int]
     return keys
 
 
-def unit_optimum(trace: Trace, log: AdmissionLog, capacity_units: Sequence[int],
-                 unit_tokens: int) -> HitTotals:
-    """Belady MIN hit tokens over the admissions of ``log``, with ``capacity_units[e]`` units
-    cached right after admission ``e``.
+_INSERT, _READ = 0, 1
 
-    At each admission the request first reads its usable units (first admission only: the
-    ``(n - 1) // unit_tokens`` units of an ``n``-token prompt; each one cached is a hit of
-    ``unit_tokens`` tokens, counted whether or not an earlier one missed), then inserts all
-    of its units; the cache then keeps, up to the capacity, the units whose next *read* comes
-    soonest (deeper first among equal ones). A unit whose next occurrence is not a read
-    (past that request's usable depth, or a re-admission) is recomputed there for free, so
-    keeping it until then is worthless: its next use is never. Runs of equal next use share
-    one heap entry (as in ``offline_optimum``).
+
+@dataclass(slots=True)
+class _Op:
+    """One occurrence of a range of a request's units at an event: a read (first
+    admission's usable units; ``uses`` covers only ``[update_from, hi)``, the keys no
+    insert of the same event follows) or an insert (units held from now; ``pin`` = the last
+    event they are held, below ``event`` when not held; ``update_from``: its units before
+    it were read just before, at the same event)."""
+
+    event: int
+    kind: int
+    keys: array[int]
+    lo: int
+    hi: int
+    pin: int
+    update_from: int = 0
+    uses: array[int] = field(default_factory=lambda: _EMPTY)
+
+
+def _unit_ops(trace: Trace, log: AdmissionLog, unit_tokens: int) -> list[_Op]:
+    """The log as ordered occurrences: per event, the inserts of units other admissions
+    were seen holding since the previous event, then the admission's read, then its own
+    insert.
+
+    >>> from hybridkv.sim.trace import TraceRequest
+    >>> reqs = (TraceRequest("r0", 33, 1, block_ids=(1, 2), trace_block_size=16),)
+    >>> log = AdmissionLog()
+    >>> log.append(0, True, 0, held_units=1)  # the first chunk holds unit 0 of 2
+    0
+    >>> log.append(0, False, 0, held_units=0)  # a re-admission (reads nothing)
+    1
+    >>> log.grow(1, 0, 2); log.release_at(0, 1)
+    >>> [(o.event, o.kind, o.lo, o.hi, o.pin) for o in _unit_ops(Trace("t", reqs), log, 16)]
+    [(0, 1, 0, 2, 1), (0, 0, 0, 1, 1), (1, 0, 1, 2, 1), (1, 0, 0, 0, 4611686018427387904)]
+    >>> [op.update_from for op in _unit_ops(Trace("t", reqs), log, 16)]
+    [1, 1, 0, 0]
     """
     requests = trace.requests
     keys_of: dict[int, array[int]] = {}
     for index in dict.fromkeys(log.request_indices):
         keys_of[index] = unit_keys(requests[index], index, unit_tokens)
-    num_events = len(log)
-    depth = [((requests[i].input_length - 1) // unit_tokens) if r else 0
-             for i, r in zip(log.request_indices, log.reads, strict=True)]
-    next_uses = _next_reads([keys_of[i] for i in log.request_indices], depth)
-    cached: dict[int, int] = {}
-    heap: list[tuple[int, int, int]] = []
-    runs: dict[int, tuple[array[int], int, int]] = {}
-    next_run = 0
-    hit_units = 0
+    held: dict[int, int] = {}
+    ops: list[_Op] = []
+    g = 0
+    num_growths = len(log.growth_events)
+    for e, index in enumerate(log.request_indices):
+        while g < num_growths and log.growth_events[g] <= e:
+            a = log.growth_admissions[g]
+            keys = keys_of[log.request_indices[a]]
+            lo, hi = held.get(a, 0), min(len(keys), log.growth_units[g])
+            if hi > lo:
+                ops.append(_Op(e, _INSERT, keys, lo, hi, log.release[a]))
+                held[a] = hi
+            g += 1
+        keys = keys_of[index]
+        own = len(keys) if log.held_units[e] < 0 else min(len(keys), log.held_units[e])
+        held[e] = own
+        usable = 0
+        if log.reads[e]:
+            usable = min((requests[index].input_length - 1) // unit_tokens, len(keys))
+            if usable:
+                ops.append(_Op(e, _READ, keys, 0, usable, log.release[e], min(own, usable)))
+        ops.append(_Op(e, _INSERT, keys, 0, own, log.release[e], min(own, usable)))
+    return ops
+
+
+def _attach_next_reads(ops: Sequence[_Op]) -> None:
+    """Per op and unit: the next event that *reads* the same key, or never when its next
+    occurrence is an insert (recomputed, or held, there: keeping it until then is
+    worthless) or there is none.
+
+    >>> k = array("Q", [1, 2])
+    >>> ops = [_Op(0, _INSERT, k, 0, 2, -1), _Op(1, _READ, k, 0, 2, 0, 1),
+    ...        _Op(1, _INSERT, k, 0, 1, -1, 1)]
+    >>> _attach_next_reads(ops)
+    >>> [list(o.uses) for o in ops]
+    [[1, 1], [4611686018427387904], [4611686018427387904]]
+    """
+    last_seen: dict[int, int] = {}
+    for op in reversed(ops):
+        keys = op.keys[op.lo : op.hi]
+        get = last_seen.get
+        if op.kind == _INSERT:
+            op.uses = array("q", [get(k, _NEVER) for k in keys])
+            if op.update_from:  # the read just before overwrites these: skip the NEVERs
+                keys = op.keys[op.lo + op.update_from : op.hi]
+            last_seen.update(dict.fromkeys(keys, _NEVER))
+        else:
+            op.uses = array("q", [get(k, _NEVER) for k in op.keys[op.update_from : op.hi]])
+            last_seen.update(dict.fromkeys(keys, op.event))
+
+
+def _runs_all(uses: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """Like ``_runs`` but keeping never-used runs. E.g. ``[5, NEVER]`` → ``(0, 1, 5),
+    (1, 2, NEVER)``."""
+    start = 0
+    n = len(uses)
+    if n == 0:
+        return
+    for depth in [d for d in range(1, n) if uses[d] != uses[d - 1]] + [n]:
+        yield start, depth, uses[start]
+        start = depth
+
+
+def unit_optimum(trace: Trace, log: AdmissionLog, capacity_units: Sequence[int],
+                 unit_tokens: int, *, pin_held: bool = False) -> HitTotals:
+    """Belady MIN hit tokens over the admissions of ``log``, with at most
+    ``capacity_units[e]`` units cached right after admission ``e``.
+
+    Occurrences (``_unit_ops``): a request's units enter the cache when it is seen holding
+    them (at its admission, then at the first event after each later allocation); a first
+    admission reads its usable units (``(n - 1) // unit_tokens`` of an ``n``-token prompt;
+    each one cached is a hit of ``unit_tokens`` tokens, counted whether or not an earlier
+    one missed). The cache keeps, up to the capacity, the units whose next *read* comes
+    soonest (deeper first among equal ones). A unit whose next occurrence is an insert is
+    recomputed there for free, so its next use is never. With ``pin_held``, a unit is
+    pinned while an admission holding it runs (``log.release``): it counts against the
+    capacity and is not evicted (``hybrid_optimum``). Runs of equal next use share one heap
+    entry (as in ``offline_optimum``); a run whose deepest unit is pinned waits until that
+    unit's release (every holder holds a prefix, so the shallower units are pinned at
+    least as long).
+    """
+    requests = trace.requests
+    ops = _unit_ops(trace, log, unit_tokens)
+    _attach_next_reads(ops)
+    cache = _UnitCache(pin_held)
+    num_ops = len(ops)
+    i = 0
+    for e in range(len(log)):
+        while i < num_ops and ops[i].event == e:
+            op = ops[i]
+            ops[i] = _OP_DONE  # the runs keep what is still needed
+            i += 1
+            if op.kind == _READ:
+                cache.read(op, e)
+            else:
+                cache.insert(op, e)
+        cache.release(e)
+        if e % 1024 == 1023:
+            cache.drop_stale(e)
+        cache.evict(e, max(0, capacity_units[e]))
     prompt_tokens = sum(requests[i].input_length
                         for i, r in zip(log.request_indices, log.reads, strict=True) if r)
-    for e in range(num_events):
-        keys, uses = keys_of[log.request_indices[e]], next_uses[e]
-        next_uses[e] = _EMPTY
-        usable = min(depth[e], len(keys))
-        if usable and cached:
-            hit_units += sum(map(cached.__contains__, keys[:usable]))
-        cached.update(zip(keys, uses, strict=True))
-        for start, end, use in _runs(uses):
-            runs[next_run] = (keys, start, end)
-            heapq.heappush(heap, (-use, 1 - end, next_run))
-            next_run += 1
-        if _NEVER in uses:
-            for key, use in zip(keys, uses, strict=True):
+    return HitTotals(prompt_tokens, cache.hit_units * unit_tokens)
+
+
+class _UnitCache:
+    """The Belady cache of ``unit_optimum``: ``cached`` key → next read (pinned units
+    included), a heap of runs by farthest next read (deeper first), ``pinned`` key → last
+    event held (max over holders), and the runs whose deepest unit was held when chosen,
+    by the event they may go (``waiting``)."""
+
+    def __init__(self, pin_held: bool) -> None:
+        self.pin_held = pin_held
+        self.cached: dict[int, int] = {}
+        self.pinned: dict[int, int] = {}
+        self.heap: list[tuple[int, int, int]] = []
+        self.runs: dict[int, tuple[array[int], int, int]] = {}
+        self.waiting: dict[int, list[tuple[int, array[int], int, int]]] = {}
+        self.next_run = 0
+        self.hit_units = 0
+
+    def push(self, keys: array[int], start: int, end: int, use: int) -> None:
+        self.runs[self.next_run] = (keys, start, end)
+        heapq.heappush(self.heap, (-use, 1 - end, self.next_run))
+        self.next_run += 1
+
+    def _keep_or_drop(self, keys: array[int], depth: int, e: int) -> None:
+        """A unit whose next use is never: gone now unless some admission holds it."""
+        if self.pinned.get(keys[depth], -1) < e:
+            del self.cached[keys[depth]]
+        else:
+            self.push(keys, depth, depth + 1, _NEVER)
+
+    def read(self, op: _Op, e: int) -> None:
+        cached = self.cached
+        if not cached:
+            return
+        keys = op.keys
+        self.hit_units += sum(map(cached.__contains__, keys[op.lo : op.hi]))
+        for depth, use in enumerate(op.uses, op.update_from):  # hits no insert follows
+            key = keys[depth]
+            if key in cached:
+                cached[key] = use
                 if use == _NEVER:
-                    del cached[key]
-        if e % 1024 == 1023:  # runs whose next use has passed were re-read: all stale
-            heap = [entry for entry in heap if -entry[0] > e]
-            heapq.heapify(heap)
-            runs = {entry[2]: runs[entry[2]] for entry in heap}
-        capacity = max(0, capacity_units[e])
-        while len(cached) > capacity:
+                    self._keep_or_drop(keys, depth, e)
+                else:
+                    self.push(keys, depth, depth + 1, use)
+
+    def insert(self, op: _Op, e: int) -> None:
+        keys, lo, uses = op.keys, op.lo, op.uses
+        ks = keys[lo : op.hi]
+        self.cached.update(zip(ks, uses, strict=True))
+        if self.pin_held and op.pin >= e:
+            pin, pinned = op.pin, self.pinned
+            olds = list(map(pinned.get, ks, repeat(-1)))
+            if olds and max(olds) > pin:
+                pinned.update((k, max(old, pin)) for k, old in zip(ks, olds, strict=True))
+            else:
+                pinned.update(dict.fromkeys(ks, pin))
+            for start, end, use in _runs_all(uses):
+                self.push(keys, lo + start, lo + end, use)
+            return
+        for start, end, use in _runs(uses):
+            self.push(keys, lo + start, lo + end, use)
+        if _NEVER in uses:
+            for depth, use in enumerate(uses, lo):
+                if use == _NEVER:
+                    self._keep_or_drop(keys, depth, e)
+
+    def release(self, e: int) -> None:
+        """Runs that waited for a release at ``e - 1`` compete again."""
+        for neg_use, keys, start, end in self.waiting.pop(e, ()):
+            self.push(keys, start, end, -neg_use)
+
+    def drop_stale(self, e: int) -> None:
+        """Runs whose next use has passed were re-read: all stale; so are past pins."""
+        self.heap = [entry for entry in self.heap if -entry[0] > e]
+        heapq.heapify(self.heap)
+        self.runs = {entry[2]: self.runs[entry[2]] for entry in self.heap}
+        self.pinned = {k: t for k, t in self.pinned.items() if t >= e}
+
+    def evict(self, e: int, capacity: int) -> None:
+        cached, pinned, heap, runs = self.cached, self.pinned, self.heap, self.runs
+        while len(cached) > capacity and heap:
             neg_use, _, run_id = heapq.heappop(heap)
-            run_keys, start, end = runs.pop(run_id)
-            key = run_keys[end - 1]
-            if cached.get(key) == -neg_use:
-                del cached[key]
-            if end - 1 > start:
-                runs[run_id] = (run_keys, start, end - 1)
-                heapq.heappush(heap, (neg_use, 2 - end, run_id))
-    return HitTotals(prompt_tokens, hit_units * unit_tokens)
+            keys, start, end = runs.pop(run_id)
+            use = -neg_use
+            while end > start and len(cached) > capacity:  # the run's units tie: go on
+                key = keys[end - 1]
+                if cached.get(key) == use:
+                    until = pinned.get(key, -1)
+                    if until >= e:  # held: wait for the release
+                        self.waiting.setdefault(until + 1, []).append(
+                            (neg_use, keys, start, end))
+                        break
+                    del cached[key]
+                end -= 1
+            else:
+                if end > start:
+                    runs[run_id] = (keys, start, end)
+                    heapq.heappush(heap, (neg_use, 1 - end, run_id))
 
 
-def _next_reads(keyed: Sequence[array[int]], depth: Sequence[int]) -> list[array[int]]:
-    """Per event and unit: the next event that *reads* the same key, or never when the next
-    occurrence only recomputes it (past that event's usable ``depth``).
-
-    >>> [list(u) for u in _next_reads([array("Q", [1, 2]), array("Q", [1, 2])], [2, 1])]
-    [[1, 4611686018427387904], [4611686018427387904, 4611686018427387904]]
-    """
-    next_uses: list[array[int]] = [_EMPTY] * len(keyed)
-    last_seen: dict[int, int] = {}
-    for e in range(len(keyed) - 1, -1, -1):
-        keys = keyed[e]
-        get = last_seen.get
-        next_uses[e] = array("q", [get(k, _NEVER) for k in keys])
-        usable = min(depth[e], len(keys))
-        if usable:
-            last_seen.update(dict.fromkeys(keys[:usable], e))
-        if usable < len(keys):
-            last_seen.update(dict.fromkeys(keys[usable:], _NEVER))
-    return next_uses
+_OP_DONE = _Op(-1, _INSERT, _EMPTY, 0, 0, -1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -404,12 +606,14 @@ class BoundShape:
 
 
 def fa_optimum(trace: Trace, log: AdmissionLog, shape: BoundShape) -> HitTotals:
-    """``bound_fa``: full-attention blocks only, the whole pool, the log's order."""
+    """``bound_fa``: full-attention blocks only, the whole pool, the log's order, nothing
+    pinned."""
     return unit_optimum(trace, log, [shape.fa_capacity_units] * len(log), shape.unit_tokens)
 
 
 def hybrid_optimum(trace: Trace, log: AdmissionLog, shape: BoundShape) -> HitTotals:
     """``bound``: the capacity left at each admission by the blocks held then that are not
-    full-attention prompt KV (``log.held_blocks``). Never above ``fa_optimum``."""
+    full-attention item KV (``log.held_blocks``), and the units running requests hold
+    pinned while they hold them. Never above ``fa_optimum``."""
     capacities = [shape.hybrid_capacity_units(h) for h in log.held_blocks]
-    return unit_optimum(trace, log, capacities, shape.unit_tokens)
+    return unit_optimum(trace, log, capacities, shape.unit_tokens, pin_held=True)

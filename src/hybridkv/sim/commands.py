@@ -7,7 +7,6 @@ and pool sizes, runs the replays and renders the reports.
 from __future__ import annotations
 
 import argparse
-import csv
 import difflib
 import multiprocessing
 import os
@@ -19,13 +18,12 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hybridkv.config import CacheConfig
-from hybridkv.errors import ConfigError, HybridKVError, PoolTooSmallError
+from hybridkv.errors import ConfigError, PoolTooSmallError
 from hybridkv.eviction import parse_eviction
 from hybridkv.managers.recurrent import parse_checkpoint_policy
 from hybridkv.observe import open_observers, parse_metrics_target
@@ -42,8 +40,6 @@ from hybridkv.sim.report import (
     PolicyRun,
     Report,
     plot_policies,
-    plot_sweep,
-    render_sweep_table,
     render_table,
 )
 from hybridkv.sim.trace import Trace
@@ -580,122 +576,11 @@ def _max_rate(rates: Sequence[float | None]) -> float | None:
     return max(known) if known else None
 
 
-def _parse_list(text: str, field: str) -> list[str]:
-    items = [t.strip() for t in text.split(",")]
-    if not any(items):
-        raise ConfigError(field, text, "give a comma-separated list")
-    if not all(items):
-        raise ConfigError(field, text, "has an empty item between commas")
-    return items
-
-
-def _sweep_pools(args: argparse.Namespace, shape: ModelShape, source: Source) -> list[int]:
-    pools: list[int] = []
-    if args.num_blocks is not None:
-        for item in _parse_list(args.num_blocks, "--num-blocks"):
-            if not item.isdigit() or len(item) > 30:
-                raise ConfigError("--num-blocks", item, "must be an integer >= 2")
-            pools.append(resolve_pool(int(item), None, shape, source))
-    elif args.kv_memory is not None:
-        pools = [resolve_pool(None, m, shape, source)
-                 for m in _parse_list(args.kv_memory, "--kv-memory")]
-    else:
-        raise ConfigError("--num-blocks", None, "a sweep needs --num-blocks or --kv-memory lists")
-    return pools
-
-
-@dataclass(slots=True)
-class SweepCell:
-    """One (pool size, policy) of a sweep: its CSV row, or why it could not run."""
-
-    num_blocks: int
-    policy: str
-    row: dict[str, object] | None = None
-    error: HybridKVError | None = None
-
-
 def cmd_sweep(args: argparse.Namespace, console: Console, err_console: Console) -> int:
-    """Replay every (pool size, policy) cell, then write the CSV and the plot of the
-    finished cells. A pool size too small for some request fails all its cells (reported
-    on stderr, exit 2) without stopping the other pool sizes; the finished cells are still
-    written. Nothing is written when no cell finished."""
-    csv_path = check_output_path("--csv", args.csv)
-    plot_path = check_output_path("--plot", args.plot, plot=True)
-    if csv_path.resolve() == plot_path.resolve():
-        raise ConfigError("--plot", str(args.plot), "is the same file as --csv")
-    source = resolve_source(args)
-    shape = load_model(DEFAULT_MODEL if args.model is None else args.model)
-    settings = resolve_settings(args, source)
-    pools = _sweep_pools(args, shape, source)
-    policies = parse_policies(args.policy, _has_sessions(source))
-    admissions = parse_admissions(args.admission)
-    cells: list[SweepCell] = []
-    ceiling = 0.0
-    with _progress(not args.quiet) as progress:
-        for num_blocks in pools:
-            config = make_config(shape, num_blocks, args, settings)
-            ceiling = source_ceiling(source, config.alignment_tokens)
-            failure: HybridKVError | None = None
-            try:
-                check_pool_holds_requests(source, config)
-            except PoolTooSmallError as err:
-                failure = err
-            for admission in admissions:
-                for policy in policies:
-                    label = policy if len(admissions) == 1 else f"{policy} [{admission}]"
-                    cell = SweepCell(num_blocks, label, error=failure)
-                    cells.append(cell)
-                    if failure is not None:
-                        continue
-                    try:
-                        result = run_policy(source, config, policy,
-                                            replace(settings, admission=admission),
-                                            progress).result
-                    except PoolTooSmallError as err:
-                        cell.error = failure = err
-                        continue
-                    cell.row = {"policy": policy, "num_blocks": num_blocks,
-                                "hit_rate": round(result.hit_rate, 6),
-                                "hit_tokens": result.hit_tokens,
-                                "prompt_tokens": result.prompt_tokens,
-                                "preemptions": result.preemptions,
-                                "admission": admission,
-                                "wait_p50_steps": result.wait_p50_steps,
-                                "wait_p99_steps": result.wait_p99_steps,
-                                "wait_max_steps": result.wait_max_steps,
-                                "ceiling": round(ceiling, 6)}
-    rows = [cell.row for cell in cells if cell.row is not None]
-    render_sweep_table([(cell.policy, cell.num_blocks,
-                         None if cell.row is None else float(str(cell.row["hit_rate"])))
-                        for cell in cells], f"{source.name} on {shape.name}", console)
-    if rows:
-        with StagedOutputs() as staged:
-            staged.stage("--csv", csv_path, lambda tmp: _write_csv(rows, tmp))
-            staged.stage("--plot", plot_path, lambda tmp: plot_sweep(
-                rows, ceiling, f"{source.name} on {shape.name}", tmp,
-                format=plot_path.suffix.lstrip(".").lower()))
-            staged.commit()
-        console.print(f"wrote {csv_path} and {plot_path} ({len(rows)} runs)")
-    failed = [cell for cell in cells if cell.error is not None]
-    if failed:
-        pools_failed = sorted({cell.num_blocks for cell in failed})
-        kept = (f"the {len(rows)} finished cells are in {csv_path} and {plot_path}" if rows
-                else "no cell finished, nothing written")
-        raise SweepError(f"{len(failed)} of {len(cells)} cells failed (pool sizes "
-                         f"{', '.join(map(str, pools_failed))}): {failed[0].error}; {kept}")
-    del err_console
-    return 0
+    """``hybridkv sweep`` (``hybridkv.sim.sweep_command``)."""
+    from hybridkv.sim.sweep_command import cmd_sweep as run_sweep
 
-
-class SweepError(HybridKVError):
-    """Some cells of a sweep could not run (the finished ones were written)."""
-
-
-def _write_csv(rows: Sequence[dict[str, object]], path: Path) -> None:
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    return run_sweep(args, console, err_console)
 
 
 def cmd_check_trace(args: argparse.Namespace, console: Console, err_console: Console) -> int:

@@ -125,6 +125,10 @@ class ObservedManager(KVCacheManager):
         self._full_managers = [m for m in self.coordinator.managers if m.is_full_attention]
         self._chain_block_size = self._full_managers[0].block_size if self._full_managers \
             else 0
+        self._admission_of: dict[ReqId, int] = {}
+        """Per running request, the event index of its (latest) admission."""
+        self._units_held: dict[ReqId, int] = {}
+        """Per running request, the item units it was last seen holding."""
 
     @property
     def misses(self) -> MissCauses:
@@ -159,18 +163,35 @@ class ObservedManager(KVCacheManager):
         if is_first:
             self._admitted.add(req_id)
             self._classify(req_id, allocation.num_hit_tokens)
-        self.log.append(self._trace_index[req_id], is_first, self._held_non_items())
+        event = len(self.log)
+        held_non_items, units = self._held_now(event, req_id)
+        self.log.append(self._trace_index[req_id], is_first, held_non_items, units)
+        self._admission_of[req_id] = event
+        self._units_held[req_id] = units
         return allocation
 
     def free(self, req_id: ReqId) -> None:
         self._mark_computed(req_id)
+        self._log_release(req_id)
         super().free(req_id)
 
     def remove_request(self, req_id: ReqId) -> None:
         if self.is_running(req_id):
             self._mark_computed(req_id)
+            self._log_release(req_id)
         self._lookup.pop(req_id, None)
         super().remove_request(req_id)
+
+    def _log_release(self, req_id: ReqId) -> None:
+        """The request's blocks go back now, after the last logged event: units allocated
+        since it was last seen enter the bound's cache (unheld) at the next event."""
+        admission = self._admission_of.pop(req_id, None)
+        if admission is None:
+            return
+        units = self._item_units(req_id)
+        if units > self._units_held.pop(req_id, 0):
+            self.log.grow(len(self.log), admission, units)
+        self.log.release_at(admission, len(self.log) - 1)
 
     # ----------------------------------------------------------------- helpers
     def _hashes(self, req_id: ReqId) -> Sequence[BlockHash]:
@@ -218,12 +239,41 @@ class ObservedManager(KVCacheManager):
         for block_hash in state.block_hashes[: num_cached // self.hasher.block_size]:
             seen[block_hash] = _COMPUTED
 
-    def _held_non_items(self) -> int:
-        """Blocks held now that are not full-attention item KV of their request (an upper
-        estimate of the items: blocks shared by two running requests count twice)."""
+    def _held_now(self, event: int, admitted: ReqId) -> tuple[int, int]:
+        """Right after admission ``event``'s allocation: the blocks held that are not
+        full-attention item KV of their request (an upper estimate of the items: blocks
+        shared by two running requests count twice), and the admitted request's held item
+        units. Logs every other running request seen holding more units than before (a
+        later chunk allocated since the previous event)."""
         held = self.pool.num_blocks - 1 - self.pool.num_free_blocks
         items = 0
-        for manager in self._full_managers:
+        units: dict[ReqId, int] = {}
+        for g, manager in enumerate(self._full_managers):
+            per_unit = manager.alignment_tokens // manager.block_size
             for req_id, table in manager.tables.items():
-                items += manager.bound_item_blocks(len(table), self._item_tokens[req_id])
-        return max(0, held - items)
+                num_items = manager.bound_item_blocks(len(table), self._item_tokens[req_id])
+                items += num_items
+                if g == 0 or req_id in units:  # a unit is held in every group or not at all
+                    units[req_id] = min(units.get(req_id, num_items // per_unit),
+                                        num_items // per_unit)
+            if g:
+                for req_id in [r for r in units if r not in manager.tables]:
+                    del units[req_id]
+        last = self._units_held
+        for req_id, num_units in units.items():
+            if req_id != admitted and num_units > last.get(req_id, 0) \
+                    and req_id in self._admission_of:
+                self.log.grow(event, self._admission_of[req_id], num_units)
+                last[req_id] = num_units
+        return max(0, held - items), units.get(admitted, 0)
+
+    def _item_units(self, req_id: ReqId) -> int:
+        """Whole item units the request holds in every full-attention group."""
+        num_units: int | None = None
+        for manager in self._full_managers:
+            table = manager.tables.get(req_id)
+            n = 0 if table is None else manager.bound_item_blocks(
+                len(table), self._item_tokens[req_id]) // (
+                manager.alignment_tokens // manager.block_size)
+            num_units = n if num_units is None else min(num_units, n)
+        return num_units or 0

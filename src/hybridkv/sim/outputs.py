@@ -97,6 +97,11 @@ def _probe_writable(flag: str, target: Path) -> None:
     os.unlink(name)
 
 
+def probe_directory(flag: str, directory: Path) -> None:
+    """Raise ``OutputPathError`` unless this process can create files in ``directory``."""
+    _probe_writable(flag, directory / "probe")
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -158,4 +163,4 @@ class StagedOutputs:
         self.discard()
 
 
-__all__ = ["StagedOutputs", "check_output_path", "plot_formats"]
+__all__ = ["StagedOutputs", "check_output_path", "plot_formats", "probe_directory"]

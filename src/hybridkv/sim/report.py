@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -14,13 +15,18 @@ from hybridkv.sim.limits import format_bytes
 from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.replay import RunResult, TagTotals
 
+if TYPE_CHECKING:  # sweep imports the commands, which import this module
+    from hybridkv.sim.sweep import Cell
+
 REPORT_HELP = """\
 Columns: hit rate = prompt tokens served from the cache at first admission.
 bound = hybrid-aware offline optimum: Belady MIN over full-attention hit units with, at each
 admission, the capacity left after the blocks then held that are not full-attention prompt
 KV (running requests' window / chunked / other state, the admitted request's window tail
-at its hit point, decode and partial blocks). bound_fa = the same over full-attention
-blocks only with the whole pool (the peer simulators' "optimal"); bound <= bound_fa.
+at its hit point, decode and partial blocks); the prompt KV running requests hold is
+pinned while they hold it (no policy can evict it). bound_fa = the same over
+full-attention blocks only with the whole pool, nothing pinned (the peer simulators'
+"optimal"); bound <= bound_fa.
 Both are upper bounds for the admission order the run used (each run's own: the order
 changes the access sequence, so a cache-aware admission order can beat them); the report
 line shows the largest per-run value. ceiling = infinite cache.
@@ -173,22 +179,59 @@ def pool_line(settings: Mapping[str, object]) -> str:
     return f"{line}; {workload}" if workload else line
 
 
-def render_sweep_table(cells: Sequence[tuple[str, int, float | None]], title: str,
+def render_sweep_cells(cells: Sequence[Cell], rows: Mapping[str, Mapping[str, object]],
+                       errors: Mapping[str, str], resumed: Collection[str],
                        console: Console) -> None:
-    """A sweep's hit rates: one row per policy, one column per pool size (blocks);
-    ``cells`` are ``(policy, num_blocks, hit rate or None when the cell failed)``."""
-    pools = list(dict.fromkeys(num_blocks for _, num_blocks, _ in cells))
-    console.print(f"{title}: hit rate by pool size (blocks)")
-    table = Table()
-    table.add_column("policy")
-    for num_blocks in pools:
-        table.add_column(f"{num_blocks:,}", justify="right")
-    rates = {(policy, num_blocks): rate for policy, num_blocks, rate in cells}
-    for policy in dict.fromkeys(policy for policy, _, _ in cells):
-        table.add_row(policy, *("failed" if rates[(policy, n)] is None
-                                else f"{100 * float(rates[(policy, n)] or 0.0):.2f}%"
-                                for n in pools))
-    console.print(table)
+    """A sweep's cells, one table per (trace, model): pool, policy, admission order, hit
+    rate, ``bound``, ``bound_fa``, ``ceiling``, miss-cause shares; ``*`` marks the best
+    hit rate of a pool size, ``r`` a cell resumed from ``--results``, a failed cell says
+    so."""
+    panels = list(dict.fromkeys((c.source, c.model) for c in cells))
+    show_admission = any(c.admission != "fcfs" for c in cells)
+    show_memory = any(c.kv_memory for c in cells)
+    best: dict[tuple[str, str, int], float] = {}
+    for c in cells:
+        if c.key in rows:
+            rate = float(str(rows[c.key]["hit_rate"]))
+            slot = (c.source, c.model, c.num_blocks)
+            best[slot] = max(best.get(slot, rate), rate)
+    for source, model in panels:
+        table = Table(title=f"{source} on {model}", title_justify="left")
+        columns = ["pool (blocks)", *(["kv memory"] if show_memory else []), "policy",
+                   *(["admission"] if show_admission else []), "hit rate", "bound",
+                   "bound_fa", "ceiling", *(_CAUSE_LABELS[c] for c in MISS_CAUSES),
+                   "preempt", "wall s", ""]
+        for name in columns:
+            table.add_column(name, justify="left" if name in ("policy", "admission", "")
+                             else "right", no_wrap=name == "policy")
+        for c in (c for c in cells if (c.source, c.model) == (source, model)):
+            lead = [f"{c.num_blocks:,}", *([c.kv_memory or ""] if show_memory else []),
+                    c.policy, *([c.admission] if show_admission else [])]
+            row = rows.get(c.key)
+            if row is None:
+                reason = errors.get(c.key, "not run")
+                table.add_row(*lead, "failed" if c.key in errors else reason,
+                              *[""] * (len(columns) - len(lead) - 1))
+                continue
+            rate = float(str(row["hit_rate"]))
+            missed = {cause: int(str(row[f"miss_{cause}"])) for cause in MISS_CAUSES}
+            total = sum(missed.values())
+            mark = " *" if rate == best[(c.source, c.model, c.num_blocks)] else ""
+            table.add_row(*lead, f"{100 * rate:.2f}%{mark}", _rate(_float(row["bound"])),
+                          _rate(_float(row["bound_fa"])),
+                          f"{100 * float(str(row['ceiling'])):.2f}%",
+                          *(f"{100 * missed[cause] / total:.1f}%" if total else "0.0%"
+                            for cause in MISS_CAUSES),
+                          str(row["preemptions"]), f"{float(str(row['wall_seconds'])):.1f}",
+                          "r" if c.key in resumed else "")
+        console.print(table)
+    console.print("* = best hit rate of its pool size; r = resumed from --results; bound, "
+                  "bound_fa: offline optima of each run's admissions; cold … admit: shares "
+                  "of the missed tokens (hybridkv replay --help)", style="dim")
+
+
+def _float(value: object) -> float | None:
+    return None if value is None or value == "" else float(str(value))
 
 
 def _render_fractions(report: Report, console: Console) -> None:
@@ -268,28 +311,73 @@ def plot_miss_causes(ax: object, runs: Sequence[PolicyRun]) -> None:
     ax.legend(fontsize=8)  # type: ignore[attr-defined]
 
 
-def plot_sweep(rows: Sequence[Mapping[str, object]], ceiling: float, title: str,
-               path: Path, *, format: str | None = None) -> None:
-    """Hit rate versus pool size, one line per policy."""
+SWEEP_POLICY_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown",
+                       "tab:pink", "tab:olive", "tab:cyan", "navy", "darkgoldenrod",
+                       "teal", "slateblue")
+"""Line colours of a sweep plot's policies (cycled, with a new dash style each round)."""
+SWEEP_CEILING_COLOR = "red"
+"""The ceiling's colour: none of ``SWEEP_POLICY_COLORS``."""
+SWEEP_BOUND_COLOR = "black"
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "*", "p")
+_DASHES = ("-", "--", "-.", ":")
+
+
+def plot_sweep(rows: Sequence[Mapping[str, object]], path: Path, *,
+               format: str | None = None) -> None:
+    """Hit rate versus pool size, one panel per (trace, model), one line per policy
+    (and admission order), with ``bound`` (the largest per-run one of each pool size,
+    black) and ``ceiling`` (red, a colour no policy uses). Coinciding lines stay
+    readable: each policy has its own hollow marker, drawn smaller than the one before,
+    so equal points nest instead of hiding each other. Pool sizes spanning 10× or more
+    get a log axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    keys = list(dict.fromkeys((str(row["policy"]), str(row.get("admission", "fcfs")))
-                              for row in rows))
-    for policy, admission in keys:
-        points = sorted((int(str(row["num_blocks"])), 100 * float(str(row["hit_rate"])))
-                        for row in rows if row["policy"] == policy
-                        and str(row.get("admission", "fcfs")) == admission)
-        label = policy if admission == "fcfs" else f"{policy} [{admission}]"
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-    ax.axhline(100 * ceiling, color="tab:red", linestyle="--", label="ceiling")
-    ax.set_xlabel("pool size (blocks)")
-    ax.set_ylabel("prefix-cache hit rate (%)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
+    traces = list(dict.fromkeys(str(r["trace"]) for r in rows))
+    models = list(dict.fromkeys(str(r["model"]) for r in rows))
+    fig, axes = plt.subplots(len(traces), len(models), squeeze=False,
+                             figsize=(6.5 * len(models), 4.2 * len(traces)))
+    lines = list(dict.fromkeys((str(r["policy"]), str(r["admission"])) for r in rows))
+    for (ti, trace), (mi, model) in ((t, m) for t in enumerate(traces)
+                                     for m in enumerate(models)):
+        ax = axes[ti][mi]
+        panel = [r for r in rows if r["trace"] == trace and r["model"] == model]
+        if not panel:
+            ax.set_visible(False)
+            continue
+        for number, (policy, admission) in enumerate(lines):
+            points = sorted((int(str(r["num_blocks"])), 100 * float(str(r["hit_rate"])))
+                            for r in panel if (r["policy"], r["admission"]) == (policy,
+                                                                                 admission))
+            if not points:
+                continue
+            label = policy if admission == "fcfs" else f"{policy} [{admission}]"
+            color = SWEEP_POLICY_COLORS[number % len(SWEEP_POLICY_COLORS)]
+            dash = _DASHES[number // len(SWEEP_POLICY_COLORS) % len(_DASHES)]
+            ax.plot([p[0] for p in points], [p[1] for p in points], color=color,
+                    linestyle=dash, marker=_MARKERS[number % len(_MARKERS)],
+                    markersize=max(3.0, 11.0 - 1.2 * number), markerfacecolor="none",
+                    markeredgewidth=1.4, linewidth=1.2, label=label)
+        pools = sorted({int(str(r["num_blocks"])) for r in panel})
+        bounds = [max((b for r in panel if int(str(r["num_blocks"])) == n
+                       and (b := _float(r["bound"])) is not None), default=None)
+                  for n in pools]
+        known = [(n, 100 * b) for n, b in zip(pools, bounds, strict=True) if b is not None]
+        if known:
+            ax.plot([k[0] for k in known], [k[1] for k in known], color=SWEEP_BOUND_COLOR,
+                    linestyle=":", marker="x", linewidth=1.2, label="bound")
+        ceiling = max(float(str(r["ceiling"])) for r in panel)
+        ax.axhline(100 * ceiling, color=SWEEP_CEILING_COLOR, linestyle="--", linewidth=1.2,
+                   label="ceiling")
+        if pools[-1] >= 10 * pools[0]:
+            ax.set_xscale("log")
+        ax.set_xlabel("pool size (blocks)")
+        ax.set_ylabel("prefix-cache hit rate (%)")
+        ax.set_title(f"{trace} on {model}", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, format=format)
+    fig.savefig(path, dpi=110, format=format)
     plt.close(fig)

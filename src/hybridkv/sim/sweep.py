@@ -1,0 +1,234 @@
+"""Sweep cells: the grid of traces × models × pool sizes × policies × admission orders,
+each cell's identity (its key) and its computation.
+
+A cell is one replay: one source (trace or workload) on one model with one pool size,
+one policy and one admission order. ``compute_cell`` replays it and returns its row
+(hit rate, ``bound``, ``bound_fa``, ``ceiling``, miss causes, timings); it is a plain
+top-level function of picklable values, so a forked ``--jobs`` worker and a Ray task run
+the same code (``hybridkv.sim.sweep_exec``, ``hybridkv.sim.sweep_ray``).
+
+The cell key (``cell_key``) names everything the row depends on, so that a stored row is
+reused only for the very same computation (``hybridkv.sim.sweep_store``):
+
+- the source: a trace's *content* fingerprint (every byte of the file, or of every file
+  of a trace directory with its relative name) and ``--limit``, or a workload's name and
+  its ``--set`` parameters — never the path, so a moved trace still resumes and an edited
+  one does not;
+- the model: its name and its layer specs (the parsed shape, so an edited model file
+  with the same name recomputes);
+- the pool size in blocks, the policy, the admission order;
+- the scheduler settings (``--max-running``, ``--chunk-size``, the protocol knobs),
+  ``--hash-algo`` and ``--eagle``;
+- hybridkv's version and a fingerprint of its source files (a changed simulator never
+  reuses an old result, even before the version number moves).
+
+>>> material = {"b": 1, "a": [1, 2]}
+>>> cell_key(material) == cell_key({"a": [1, 2], "b": 1})   # order-independent
+True
+>>> len(cell_key(material))
+40
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rich.progress import Progress
+
+import hybridkv
+from hybridkv.errors import PoolTooSmallError
+from hybridkv.sim.commands import Source, check_pool_holds_requests, run_policy, source_ceiling
+from hybridkv.sim.misses import MISS_CAUSES
+from hybridkv.sim.model import ModelShape
+from hybridkv.sim.replay import ReplaySettings
+
+KEY_FORMAT = 1
+"""Bumped when the key material or the row layout changes (old rows are then ignored)."""
+
+TIMING_FIELDS = ("manager_seconds", "wall_seconds")
+"""Row fields that measure this run's speed; every other field is a pure function of the
+cell (``--jobs``, Ray and a serial run agree on them exactly)."""
+
+ROW_FIELDS = (
+    "trace", "model", "num_blocks", "kv_memory", "pool_bytes", "policy", "admission",
+    "hit_rate", "bound", "bound_fa", "ceiling", "hit_tokens", "prompt_tokens",
+    *(f"miss_{cause}" for cause in MISS_CAUSES),
+    "preemptions", "steps", "evicted_blocks", "wait_p50_steps", "wait_p99_steps",
+    "wait_max_steps", *TIMING_FIELDS, "key",
+)
+"""Columns of the CSV, in order (the JSON has the same fields per cell)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CellOptions:
+    """Settings shared by every cell of one sweep."""
+
+    settings: ReplaySettings
+    hash_algo: str = "sha256"
+    eagle: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One replay of a sweep. ``source`` and ``model`` are labels into the sweep's
+    sources and models (``SweepGrid``); ``key`` is ``cell_key`` of its material."""
+
+    source: str
+    model: str
+    num_blocks: int
+    policy: str
+    admission: str
+    kv_memory: str | None
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class CellError:
+    """Why a cell could not run (a pool too small for some request): reported, not
+    stored, the rest of the sweep goes on."""
+
+    message: str
+
+
+Row = dict[str, object]
+
+
+def cell_key(material: Mapping[str, object]) -> str:
+    """Hex digest (160 bits) of the canonical JSON of ``material``."""
+    text = json.dumps(material, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+def file_fingerprint(path: Path) -> str:
+    """SHA-256 of a file's bytes, or of a directory's regular files (sorted relative
+    names and bytes, recursively): the identity of a trace's content.
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> _ = (folder / "t.jsonl").write_text("a")
+    >>> before = file_fingerprint(folder)
+    >>> _ = (folder / "t.jsonl").write_text("b")
+    >>> before == file_fingerprint(folder)
+    False
+    """
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        digest.update(str(file.relative_to(path) if file != path else "").encode() + b"\0")
+        with file.open("rb") as stream:
+            for chunk in iter(lambda: stream.read(1 << 20), b""):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """SHA-256 of hybridkv's Python sources (the engine excluded: sweeps never run it)."""
+    root = Path(hybridkv.__file__).parent
+    digest = hashlib.sha256()
+    for file in sorted(root.rglob("*.py")):
+        relative = file.relative_to(root)
+        if relative.parts[0] == "engine":
+            continue
+        digest.update(str(relative).encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def model_identity(shape: ModelShape) -> dict[str, object]:
+    """The model's part of a cell key: its name and its layer specs."""
+    layers = hashlib.sha256(repr(shape.layers).encode()).hexdigest()
+    return {"name": shape.name, "layers": layers}
+
+
+def key_material(source_identity: Mapping[str, object], shape: ModelShape, num_blocks: int,
+                 policy: str, admission: str, options: CellOptions) -> dict[str, object]:
+    """Everything a cell's row depends on (see the module docstring)."""
+    settings = options.settings
+    return {
+        "format": KEY_FORMAT, "hybridkv": hybridkv.__version__, "code": code_fingerprint(),
+        "source": dict(source_identity), "model": model_identity(shape),
+        "num_blocks": num_blocks, "policy": policy, "admission": admission,
+        "settings": {"max_running": settings.max_running, "chunk_size": settings.chunk_size,
+                     "reserve_full_prompt": settings.reserve_full_prompt,
+                     "lookahead_requests": settings.lookahead_requests,
+                     "hash_algo": options.hash_algo, "eagle": options.eagle},
+    }
+
+
+def compute_cell(source: Source, shape: ModelShape, cell: Cell, options: CellOptions,
+                 progress: Progress | None = None) -> Row | CellError:
+    """Replay one cell; its row, or ``CellError`` when the pool is too small for some
+    request."""
+    settings = replace(options.settings, admission=cell.admission)
+    config = shape.cache_config(cell.num_blocks, hash_algo=options.hash_algo,
+                                use_eagle=options.eagle,
+                                max_num_batched_tokens=settings.chunk_size)
+    try:
+        check_pool_holds_requests(source, config)
+        result = run_policy(source, config, cell.policy, settings, progress).result
+    except PoolTooSmallError as err:
+        return CellError(str(err))
+    ceiling = source_ceiling(source, config.alignment_tokens)
+    row: Row = {
+        "trace": cell.source, "model": cell.model, "num_blocks": cell.num_blocks,
+        "kv_memory": cell.kv_memory or "", "pool_bytes": cell.num_blocks * shape.bytes_per_block,
+        "policy": cell.policy, "admission": cell.admission,
+        "hit_rate": result.hit_rate, "bound": result.bound, "bound_fa": result.bound_fa,
+        "ceiling": ceiling, "hit_tokens": result.hit_tokens,
+        "prompt_tokens": result.prompt_tokens,
+        **{f"miss_{cause}": tokens for cause, tokens in result.misses.as_dict().items()},
+        "preemptions": result.preemptions, "steps": result.steps,
+        "evicted_blocks": result.evicted_blocks,
+        "wait_p50_steps": result.wait_p50_steps, "wait_p99_steps": result.wait_p99_steps,
+        "wait_max_steps": result.wait_max_steps,
+        "manager_seconds": round(result.manager_seconds, 4),
+        "wall_seconds": round(result.wall_seconds, 4), "key": cell.key,
+    }
+    assert tuple(row) == ROW_FIELDS
+    return row
+
+
+def without_timings(rows: Sequence[Mapping[str, object]]) -> list[dict[str, object]]:
+    """Rows minus the timing fields, for comparing runs (serial, ``--jobs``, Ray).
+
+    >>> without_timings([{"hit_rate": 0.5, "wall_seconds": 1.2, "manager_seconds": 0.3}])
+    [{'hit_rate': 0.5}]
+    """
+    return [{k: v for k, v in row.items() if k not in TIMING_FIELDS} for row in rows]
+
+
+def dispatch_order(cells: Sequence[Cell], cost: Mapping[str, int]) -> list[int]:
+    """Cell indices, expected-longest first (greedy longest-first shortens a run on few
+    workers): by the source's prompt tokens (``cost``), then larger pools, then the
+    grid's order.
+
+    >>> cells = [Cell("a", "m", 10, "latest", "fcfs", None, "k1"),
+    ...          Cell("b", "m", 10, "latest", "fcfs", None, "k2"),
+    ...          Cell("b", "m", 20, "latest", "fcfs", None, "k3")]
+    >>> dispatch_order(cells, {"a": 100, "b": 900})
+    [2, 1, 0]
+    """
+    return sorted(range(len(cells)),
+                  key=lambda i: (-cost.get(cells[i].source, 0), -cells[i].num_blocks, i))
+
+
+def default_workers() -> int:
+    """Processes a local run may use: the CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+__all__ = [
+    "ROW_FIELDS", "TIMING_FIELDS", "Cell", "CellError", "CellOptions", "Row", "cell_key",
+    "code_fingerprint", "compute_cell", "default_workers", "dispatch_order",
+    "file_fingerprint", "key_material", "model_identity", "without_timings",
+]

@@ -1,0 +1,155 @@
+"""Running a sweep's cells as Ray tasks (``hybridkv sweep --ray [ADDRESS]``).
+
+Ray is an optional extra (``pip install 'hybridkv[ray]'``); without it ``--ray`` is one
+line naming that command, exit 2 (``require_ray``, checked before any work). ``--ray``
+alone starts a local Ray with ``--jobs`` CPUs (default: every CPU this process may use)
+and shuts it down at the end; ``--ray ADDRESS`` connects to an existing cluster
+(``ray start --head`` prints the address), whose nodes must run the same hybridkv: every
+task returns the code fingerprint of the hybridkv it ran, and a different one stops the
+sweep with one line.
+
+Each source and model goes into the object store once (``ray.put``): a remote node needs
+neither the trace files nor the model files. A task is one cell (``compute_cell``, the
+same function ``--jobs`` workers run), so the rows equal a serial run's. Ctrl-C, SIGTERM
+or an error cancels every unfinished task (``ray.cancel(force=True)``) and shuts Ray down
+before the CLI reports; Ray's own SIGTERM handler is replaced by the CLI's again right
+after ``ray.init``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import signal
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import hybridkv
+from hybridkv.errors import ConfigError
+from hybridkv.sim.commands import Source
+from hybridkv.sim.model import ModelShape
+from hybridkv.sim.sweep import (
+    Cell,
+    CellError,
+    CellOptions,
+    Row,
+    code_fingerprint,
+    compute_cell,
+    dispatch_order,
+)
+from hybridkv.sim.sweep_exec import OnDone, SweepWork
+
+LOCAL = "local"
+"""``--ray`` without an address: start a local Ray for this sweep."""
+RAY_PIN = "ray==2.60.0"
+"""The Ray release the ``ray`` extra pins (tested in CI through a local Ray)."""
+WAIT_SECONDS = 0.2
+"""Longest wait for a task between checks for Ctrl-C / SIGTERM."""
+
+
+def ray_installed() -> bool:
+    return importlib.util.find_spec("ray") is not None
+
+
+def require_ray(address: str) -> None:
+    """Raise ``ConfigError`` naming the install command when Ray is missing."""
+    if not ray_installed():
+        raise ConfigError("--ray", address, "needs Ray, which is not installed: "
+                          f"pip install 'hybridkv[ray]' (or pip install '{RAY_PIN}')")
+
+
+def _ray_cell(source: Source, shape: ModelShape, cell: Cell,
+              options: CellOptions) -> tuple[str, Row | CellError]:
+    """The task body: (this worker's code fingerprint, the cell's outcome)."""
+    return code_fingerprint(), compute_cell(source, shape, cell, options)
+
+
+@contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """Restore SIGINT / SIGTERM handlers on exit (``ray.init`` installs its own)."""
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def _package_on_worker_path() -> Iterator[None]:
+    """Local Ray workers inherit the environment of the processes ``ray.init`` starts:
+    put the directory this hybridkv was imported from first on their ``PYTHONPATH``."""
+    root = str(Path(hybridkv.__file__).resolve().parent.parent)
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, before) if p)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+def _init(ray: Any, address: str, num_cpus: int) -> None:
+    options: dict[str, object] = {"include_dashboard": False, "log_to_driver": False,
+                                  "logging_level": logging.ERROR}
+    try:
+        with _signal_handlers_kept():
+            if address == LOCAL:
+                with _package_on_worker_path():
+                    ray.init(num_cpus=num_cpus, **options)
+            else:
+                ray.init(address=address, **options)
+    except (KeyboardInterrupt, SystemExit):
+        ray.shutdown()
+        raise
+    except Exception as err:  # Ray raises ConnectionError, ValueError, RuntimeError, …
+        ray.shutdown()
+        detail = " ".join(str(err).split())[:200] or type(err).__name__
+        fix = ("leave the address out for a local Ray, or give a running cluster's "
+               "address (ray start --head prints it)") if address != LOCAL else \
+            "check that this machine can start Ray processes"
+        raise ConfigError("--ray", address, f"Ray did not start ({detail}); {fix}") from err
+
+
+def run_ray(work: SweepWork, cells: Sequence[Cell], address: str, num_cpus: int,
+            on_done: OnDone) -> None:
+    """Compute the cells as Ray tasks, expected-longest first; results reach ``on_done``
+    in completion order."""
+    require_ray(address)
+    import ray
+
+    _init(ray, address, num_cpus)
+    pending: dict[Any, int] = {}
+    try:
+        task = ray.remote(num_cpus=1, max_retries=0)(_ray_cell)
+        sources = {label: ray.put(source) for label, source in work.sources.items()}
+        models = {label: ray.put(shape) for label, shape in work.models.items()}
+        for index in dispatch_order(cells, work.costs()):
+            cell = cells[index]
+            pending[task.remote(sources[cell.source], models[cell.model], cell,
+                                work.options[cell.source])] = index
+        expected = code_fingerprint()
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=WAIT_SECONDS)
+            for ref in done:
+                index = pending.pop(ref)
+                fingerprint, outcome = ray.get(ref)
+                if fingerprint != expected:
+                    raise ConfigError("--ray", address, "the cluster's workers run other "
+                                      "hybridkv code than this sweep; install the same "
+                                      "hybridkv on every node")
+                on_done(cells[index], outcome)
+    except BaseException:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        raise
+    finally:
+        ray.shutdown()
+
+
+__all__ = ["LOCAL", "RAY_PIN", "ray_installed", "require_ray", "run_ray"]
