@@ -231,3 +231,18 @@ def test_cli_event_stream_is_served_and_consistent(tmp_path: Path, tiny_model: P
     assert stored - removed == resident > 0
     assert {e.kv_cache_spec_kind for e in events if isinstance(e, BlockStored)} == {
         "full_attention", "sliding_window"}
+
+
+def test_a_host_endpoint_connects_to_a_binding_subscriber() -> None:
+    """vLLM's rule: ``tcp://127.0.0.1:PORT`` (no wildcard) is connected, so the subscriber
+    binds it (``hybridkv replay --events tcp://127.0.0.1:5557``)."""
+    port = free_port()
+    with EventSubscriber(f"tcp://127.0.0.1:{port}") as subscriber, \
+            ZmqEventPublisher(f"tcp://127.0.0.1:{port}") as publisher:
+        got: list[int] = []
+        for i in range(200):  # the first messages may go before the connection is up
+            publisher.publish([AllBlocksCleared()], ts=float(i))
+            got.extend(seq for seq, _ in subscriber.receive(timeout_ms=50))
+            if got:
+                break
+    assert got and got == sorted(got)

@@ -88,6 +88,15 @@ class GroupEventInfo:
     """``GroupManager.hit_tail_blocks``: blocks ending at ``p`` a hit there needs
     (``None``: every block from 0, a full-attention kind)."""
     max_tail_blocks: int
+    capped_prefix_rule: bool = False
+    """``tail_blocks(p) == min(max_tail_blocks, p // block_size)`` at every aligned ``p``
+    (windows, recurrent checkpoints): the log then skips the call."""
+
+    def need_at(self, position: int) -> int | None:
+        """Tail blocks a hit at the end of table position ``position`` needs."""
+        if self.capped_prefix_rule:
+            return min(self.max_tail_blocks, position + 1)
+        return self.tail_blocks((position + 1) * self.block_size)
 
 
 @dataclass(slots=True)
@@ -257,9 +266,8 @@ class EventLog:
             self._propagate(info, key, run, added)
             return
         runs[key] = run  # the common case: the newest block of its chain
-        end = (position + 1) * info.block_size
-        if end % self.alignment_tokens == 0:
-            need = info.tail_blocks(end)
+        if (position + 1) * info.block_size % self.alignment_tokens == 0:
+            need = info.need_at(position)
             if need and run >= need:
                 self.landable[group_id].add(key)
                 added.append(key)
@@ -278,9 +286,8 @@ class EventLog:
                 continue
             runs[node] = value
             position = nodes[node][0]
-            end = (position + 1) * info.block_size
-            if end % self.alignment_tokens == 0:
-                need = info.tail_blocks(end)
+            if (position + 1) * info.block_size % self.alignment_tokens == 0:
+                need = info.need_at(position)
                 if need:
                     if value >= need and node not in landable:
                         landable.add(node)

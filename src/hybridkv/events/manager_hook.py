@@ -20,11 +20,15 @@ def make_event_log(manager: KVCacheManager) -> EventLog:
                                     strict=True):
         spec = group.spec
         window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        cap, bs = group_manager.max_hit_tail_blocks(), spec.block_size
+        align = manager.coordinator.alignment_tokens
+        capped = cap > 0 and all(  # checked, not assumed: the rule is the manager's
+            group_manager.hit_tail_blocks(p) == min(cap, p // bs)
+            for p in range(align, (cap + 2) * bs + align, align))
         groups.append(GroupEventInfo(
-            group_id=group.group_id, block_size=spec.block_size,
-            hash_ratio=max(1, spec.block_size // hb),
+            group_id=group.group_id, block_size=bs, hash_ratio=max(1, bs // hb),
             kind=VLLM_KIND_OF.get(spec.kind, "unknown"), sliding_window=window,
-            tail_blocks=group_manager.hit_tail_blocks,
-            max_tail_blocks=group_manager.max_hit_tail_blocks()))
+            tail_blocks=group_manager.hit_tail_blocks, max_tail_blocks=cap,
+            capped_prefix_rule=capped))
     return EventLog(groups, hb, manager.coordinator.alignment_tokens,
                     manager.config.hash_lookahead_tokens)
