@@ -13,7 +13,9 @@ Measured per replay: CPU seconds of the whole replay (``time.process_time``: the
 is single-threaded, so other processes' load does not inflate it) and the manager's own
 ``manager_seconds`` (time inside lookup / allocate / free, switched to CPU time here), which
 for ``on`` includes resolving the pool's records into events (the encoding is not). The
-order of the variants rotates every repetition. ::
+order of the variants rotates every repetition; every process gets ``PYTHONHASHSEED=0`` (the
+manager's dictionaries are keyed by byte hashes: a random seed changes their layout and the
+time per process by ±20 %). ::
 
     git archive <commit-before-events> src | tar -x -C /tmp/base
     PYTHONPATH=$PWD/src python bench/events_overhead.py --base-src /tmp/base/src \\
@@ -68,7 +70,7 @@ print(json.dumps({"cpu_s": cpu, "manager_s": result.manager_seconds,
 
 
 def run(variant: str, src: str, args: argparse.Namespace) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": src}
+    env = {**os.environ, "PYTHONPATH": src, "PYTHONHASHSEED": "0"}  # same dict layouts
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, variant, args.model, str(args.num_blocks),
          str(args.sessions), str(args.turns), args.policy],
