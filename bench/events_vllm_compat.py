@@ -141,7 +141,7 @@ def _without_landings(event: Any) -> Any:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gemma3-bench=6000,qwen3.5-27b=60,"
-                        "deepseek-v4-flash=5000", help="MODEL=POOL_BLOCKS,… (pools small "
+                        "deepseek-v4-flash=3000", help="MODEL=POOL_BLOCKS,… (pools small "
                         "enough to force evictions)")
     parser.add_argument("--policy", default="prepend")
     parser.add_argument("--sessions", type=int, default=2)
