@@ -55,7 +55,18 @@ def router_builders() -> dict[str, RouterBuilder]:
     """Every router by name, in report order."""
     builders: dict[str, RouterBuilder] = {
         name: _simple(make) for name, make in SIMPLE_ROUTERS.items()}
+    builders["prefix-fa"] = _prefix(residency=False)
+    builders["prefix-residency"] = _prefix(residency=True)
     return builders
+
+
+def _prefix(*, residency: bool) -> RouterBuilder:
+    def build(n: int, config: CacheConfig, trace: Trace, settings: ClusterSettings) -> Router:
+        from hybridkv.cluster.prefix import make_prefix_router
+
+        return make_prefix_router(n, config, trace, residency=residency,
+                                  load_weight=settings.load_weight)
+    return build
 
 
 def _simple(make: Callable[[int], Router]) -> RouterBuilder:
@@ -137,7 +148,7 @@ def cmd_cluster(args: argparse.Namespace, console: Console, err_console: Console
                           "admission order on every instance")
     settings = ClusterSettings(
         num_instances=args.instances, sync_steps=args.sync_steps,
-        concurrency=args.concurrency,
+        concurrency=args.concurrency, load_weight=args.load_weight,
         instance=InstanceSettings(max_running=replay_settings.max_running,
                                   chunk_size=replay_settings.chunk_size,
                                   admission=admissions[0],

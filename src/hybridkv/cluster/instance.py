@@ -66,8 +66,10 @@ class Finished:
 class InstanceReport:
     """What one epoch of one instance produced.
 
-    ``events``: the manager's KV event batches of the epoch, in order (empty when events
-    are off); ``queued_tokens_by_step``: after each step run, the prompt tokens of its
+    ``events``: the epoch's KV events as vLLM 0.33 publishes them — msgpack-encoded
+    ``KVEventBatch`` payloads (``hybridkv.events.encode_batch``; ``ts`` = the instance's
+    epoch count, so the bytes are deterministic), one per epoch that emitted any, empty when
+    events are off; ``queued_tokens_by_step``: after each step run, the prompt tokens of its
     requests not yet computed (a waiting request counts its whole prompt, a running one
     what its prefill has left) — an idle instance runs no steps and has none queued.
     """
@@ -78,7 +80,7 @@ class InstanceReport:
     queued_tokens: int
     num_requests: int
     """Requests queued or running at the epoch's end."""
-    events: tuple[object, ...] = ()
+    events: tuple[bytes, ...] = ()
 
 
 @dataclass(slots=True)
@@ -124,6 +126,7 @@ class Instance:
         self._index_of: dict[str, int] = {}
         self._fixed_outputs: dict[str, tuple[int, ...]] = {}
         self.busy_steps = 0
+        self._epochs = 0
 
     def advance(self, arrivals: Sequence[int], num_steps: int) -> InstanceReport:
         """Queue ``arrivals`` (trace indices, in routing order) and run at most
@@ -187,10 +190,17 @@ class Instance:
             total += max(0, left)
         return total
 
-    def _take_events(self) -> tuple[object, ...]:
+    def _take_events(self) -> tuple[bytes, ...]:
+        self._epochs += 1
         if not self.events:
             return ()
-        return tuple(self.manager.take_events())  # type: ignore[attr-defined]
+        events = self.manager.take_events()
+        if not events:
+            return ()
+        from hybridkv.events import KVEventBatch, encode_batch
+
+        return (encode_batch(KVEventBatch(ts=float(self._epochs), events=events,
+                                          data_parallel_rank=0)),)
 
     def result(self) -> InstanceResult:
         stats = self.manager.stats
@@ -205,7 +215,7 @@ class Instance:
 def make_manager(config: CacheConfig, policy: str, events: bool) -> KVCacheManager:
     """The instance's manager (emitting KV events when ``events``)."""
     if events:
-        return KVCacheManager(config, policy, enable_kv_cache_events=True)  # type: ignore[call-arg]
+        return KVCacheManager(config, policy, enable_kv_cache_events=True)
     return KVCacheManager(config, policy)
 
 

@@ -72,9 +72,9 @@ def least_loaded(loads: Sequence[Load], among: Sequence[int] | None = None) -> i
 
 class Router:
     """Base class: ``route`` picks an instance; ``observe`` receives an instance's KV
-    events (ignored unless ``uses_events``)."""
+    event payloads (only when ``uses_events``: otherwise its instances publish none)."""
 
-    name: ClassVar[str] = ""
+    name: str = ""
     uses_events: ClassVar[bool] = False
 
     def __init__(self, num_instances: int) -> None:
@@ -83,8 +83,9 @@ class Router:
     def route(self, request: RouteRequest, loads: Sequence[Load]) -> Route:
         raise NotImplementedError
 
-    def observe(self, instance: int, events: Sequence[object]) -> None:
-        del instance, events
+    def observe(self, instance: int, payloads: Sequence[bytes]) -> None:
+        """An instance's published KV event batches (msgpack payloads), in order."""
+        del instance, payloads
 
 
 class RoundRobin(Router):

@@ -60,6 +60,8 @@ class ClusterSettings:
     concurrency: int | None = None
     """Requests in flight cluster-wide (default: ``num_instances * max_running``)."""
     instance: InstanceSettings = field(default_factory=InstanceSettings)
+    load_weight: float = 1.0
+    """Prefix routers: score = matched tokens - ``load_weight`` x queued prompt tokens."""
 
     @property
     def max_in_flight(self) -> int:
