@@ -115,6 +115,7 @@ def test_verify_cli_reports_each_policy(capsys: pytest.CaptureFixture[str]) -> N
     assert lines[-1] == "all identical"
 
 
+@pytest.mark.usefixtures("pure_python")
 def test_verify_cli_exits_1_on_divergence(monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     from hybridkv import KVCacheManager

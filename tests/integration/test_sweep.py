@@ -426,3 +426,63 @@ def test_equal_traces_under_two_names_share_their_cells(
     assert [r["trace"] for r in rows] == ["a", "a", "a #2", "a #2"]
     assert stable(rows[:2]) == [{**r, "trace": "a"} for r in stable(rows[2:])]
     assert summary(stdout).startswith("4 cells: 2 computed")
+
+
+def _descendants(pid: int) -> list[int]:
+    found = []
+    for child in _children(pid):
+        found += [child, *_descendants(child)]
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc")
+def test_sigterm_stops_ray_tasks_and_the_local_ray(inputs: Path, tmp_path: Path) -> None:
+    """SIGTERM while Ray tasks replay: exit 143 with one line, every process the sweep
+    started (Ray's services and workers) gone, nothing written."""
+    _ray_or_skip()
+    out = tmp_path / "out"
+    out.mkdir()
+    process = _spawn(["sweep", *LONG, "--model", str(inputs / "tiny.toml"), "--policy",
+                      "latest,dense", "--num-blocks", "5000,9000", "--quiet", "--ray",
+                      "--jobs", "2", "--csv", str(out / "s.csv")], out)
+
+    def tasks_running() -> bool:
+        return process.poll() is not None or sum(
+            "_ray_cell" in _cmdline(p) for p in _descendants(process.pid)) >= 2
+
+    assert _wait_for(tasks_running, 120), "no Ray task started"
+    assert process.poll() is None, process.communicate()
+    started = _descendants(process.pid)
+    process.terminate()
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr
+    assert stderr.strip().splitlines() == [
+        "hybridkv sweep: terminated (SIGTERM); no output written"]
+    assert _wait_for(lambda: not any(_alive(p) for p in started), 15), [
+        _cmdline(p) for p in started if _alive(p)]
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize(("address", "fragment"), [
+    ("127.0.0.1:1", "nothing answers there"),
+    ("no-port", "is not HOST:PORT"),
+    ("host:99999", "is not HOST:PORT"),
+])
+def test_a_bad_ray_address_is_one_line_at_once(inputs: Path, tmp_path: Path, address: str,
+                                               fragment: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Checked before any work (Ray itself would retry a dead address for minutes)."""
+    _ray_or_skip()
+    out = tmp_path / "s.csv"
+    code, _, stderr = run(sweep_argv(inputs, "--ray", address, "--csv", str(out)), capsys)
+    assert code == 2
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith(f"hybridkv sweep: error: --ray='{address}'") and fragment in line
+    assert not out.exists()

@@ -91,6 +91,7 @@ def test_no_replay_beats_its_bound(retention: str, eviction: str, case: Case) ->
     assert log is not None and sum(log.reads) == len(case.trace.requests)
 
 
+@pytest.mark.usefixtures("pure_python")
 def test_an_over_tight_bound_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The property check fails for a bound that is too tight. The over-tight variant: the
     full-attention manager's ``bound_item_blocks`` hook answers 0 (as a new chain-like

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from hybridkv.errors import ConfigError
+from hybridkv.native import mypyc_attr
 
 if TYPE_CHECKING:
     from hybridkv.cache import PrefixHit
@@ -59,6 +60,7 @@ class Probe(Protocol):
         """``KVCacheManager.lookup_version`` now."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests subclass it
 class AdmissionOrder(ABC):
     """Chooses the next admission among the candidates (never empty, first-come order)."""
 
@@ -78,6 +80,7 @@ class AdmissionOrder(ABC):
         """The request was admitted: drop per-request state; nothing by default."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests subclass it
 class FirstComeOrder(AdmissionOrder):
     """The first candidate (what the scheduler's fcfs path does, kept for completeness)."""
 

@@ -206,9 +206,10 @@ def cmd_sweep(args: argparse.Namespace, console: Console, err_console: Console) 
     store = None if args.results is None else ResultStore.open(args.results)
     ray_address: str | None = args.ray
     if ray_address is not None:
-        from hybridkv.sim.sweep_ray import require_ray
+        from hybridkv.sim.sweep_ray import check_reachable, require_ray
 
         require_ray(ray_address)
+        check_reachable(ray_address)
     workers = args.jobs or (default_workers() if ray_address is not None else 1)
     sources = resolve_sources(args)
     models = resolve_models(args)

@@ -22,9 +22,12 @@ import importlib.util
 import logging
 import os
 import signal
-from collections.abc import Iterator, Sequence
+import socket
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import hybridkv
@@ -94,22 +97,116 @@ def _package_on_worker_path() -> Iterator[None]:
             os.environ["PYTHONPATH"] = before
 
 
+@contextmanager
+def _deferred_signals() -> Iterator[Callable[[], None]]:
+    """While Ray runs, SIGINT / SIGTERM only note the signal; the returned check (called
+    between Ray calls) then hands it to the handler that was there before (the CLI's:
+    ``KeyboardInterrupt`` / ``Terminated``). An exception raised by a signal handler in
+    the middle of Ray's compiled code surfaces as a ``SystemError`` traceback instead."""
+    received: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        del frame
+        received.append(signum)
+
+    def check() -> None:
+        if not received:
+            return
+        signum = received[0]
+        handler = previous[signal.Signals(signum)]
+        if callable(handler):
+            handler(signum, None)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    for sig in previous:
+        signal.signal(sig, note)
+    try:
+        yield check
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+CONNECT_SECONDS = 5.0
+"""How long ``--ray ADDRESS`` may take to accept a TCP connection before the sweep gives
+up with one line (Ray itself retries for minutes)."""
+
+
+def check_reachable(address: str) -> None:
+    """Raise ``ConfigError`` unless ``host:port`` (or ``ray://host:port``) accepts a TCP
+    connection within ``CONNECT_SECONDS``; ``local`` and ``auto`` are left to Ray.
+
+    >>> check_reachable("auto")
+    >>> check_reachable("no-port-here")
+    Traceback (most recent call last):
+    ...
+    hybridkv.errors.ConfigError: --ray='no-port-here' is invalid: is not HOST:PORT ...
+    """
+    if address in (LOCAL, "auto"):
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError("--ray", address, "is not HOST:PORT (e.g. 10.0.0.5:6379, as "
+                          "ray start --head prints it), 'auto', or nothing for a local Ray")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), CONNECT_SECONDS):
+            pass
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise ConfigError("--ray", address, f"nothing answers there ({reason}); start the "
+                          "cluster (ray start --head) or leave the address out for a "
+                          "local Ray") from err
+
+
+@contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """Send file descriptor 2 to ``/dev/null`` (Ray's C++ core logs warnings there while
+    it starts, retries a connection or shuts down; the sweep's errors stay one line)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _reason(err: BaseException) -> str:
+    """The useful part of Ray's error: the last line of the innermost cause that names an
+    error (Ray wraps an authentication failure in a connection error)."""
+    texts: list[str] = []
+    while err is not None and len(texts) < 5:
+        texts.append(str(err))
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    for text in reversed(texts):
+        lines = [line.strip() for line in text.splitlines() if "Error" in line]
+        if lines:
+            return " ".join(lines[-1].split())[:300]
+    return " ".join(texts[0].split())[:300] if texts and texts[0] else "unknown error"
+
+
 def _init(ray: Any, address: str, num_cpus: int) -> None:
     options: dict[str, object] = {"include_dashboard": False, "log_to_driver": False,
                                   "logging_level": logging.ERROR}
     try:
-        with _signal_handlers_kept():
+        with _signal_handlers_kept(), _stderr_silenced():
             if address == LOCAL:
-                with _package_on_worker_path():
-                    ray.init(num_cpus=num_cpus, **options)
+                with _package_on_worker_path():  # "local": a new instance, never a running one
+                    ray.init(address=LOCAL, num_cpus=num_cpus, **options)
             else:
                 ray.init(address=address, **options)
-    except (KeyboardInterrupt, SystemExit):
-        ray.shutdown()
-        raise
     except Exception as err:  # Ray raises ConnectionError, ValueError, RuntimeError, …
-        ray.shutdown()
-        detail = " ".join(str(err).split())[:200] or type(err).__name__
+        detail = _reason(err)
+        if "InvalidAuthToken" in detail or "AuthenticationError" in detail:
+            raise ConfigError("--ray", address, "the cluster wants its authentication token: "
+                              "run with RAY_AUTH_MODE=token and the token in "
+                              "~/.ray/auth_token or RAY_AUTH_TOKEN") from err
         fix = ("leave the address out for a local Ray, or give a running cluster's "
                "address (ray start --head prints it)") if address != LOCAL else \
             "check that this machine can start Ray processes"
@@ -121,35 +218,40 @@ def run_ray(work: SweepWork, cells: Sequence[Cell], address: str, num_cpus: int,
     """Compute the cells as Ray tasks, expected-longest first; results reach ``on_done``
     in completion order."""
     require_ray(address)
+    check_reachable(address)
     import ray
 
-    _init(ray, address, num_cpus)
     pending: dict[Any, int] = {}
-    try:
-        task = ray.remote(num_cpus=1, max_retries=0)(_ray_cell)
-        sources = {label: ray.put(source) for label, source in work.sources.items()}
-        models = {label: ray.put(shape) for label, shape in work.models.items()}
-        for index in dispatch_order(cells, work.costs()):
-            cell = cells[index]
-            pending[task.remote(sources[cell.source], models[cell.model], cell,
-                                work.options[cell.source])] = index
-        expected = code_fingerprint()
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=WAIT_SECONDS)
-            for ref in done:
-                index = pending.pop(ref)
-                fingerprint, outcome = ray.get(ref)
-                if fingerprint != expected:
-                    raise ConfigError("--ray", address, "the cluster's workers run other "
-                                      "hybridkv code than this sweep; install the same "
-                                      "hybridkv on every node")
-                on_done(cells[index], outcome)
-    except BaseException:
-        for ref in pending:
-            ray.cancel(ref, force=True)
-        raise
-    finally:
-        ray.shutdown()
+    with _deferred_signals() as check_signals:
+        try:
+            _init(ray, address, num_cpus)
+            check_signals()
+            task = ray.remote(num_cpus=1, max_retries=0)(_ray_cell)
+            sources = {label: ray.put(source) for label, source in work.sources.items()}
+            models = {label: ray.put(shape) for label, shape in work.models.items()}
+            for index in dispatch_order(cells, work.costs()):
+                cell = cells[index]
+                pending[task.remote(sources[cell.source], models[cell.model], cell,
+                                    work.options[cell.source])] = index
+            expected = code_fingerprint()
+            while pending:
+                check_signals()
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=WAIT_SECONDS)
+                for ref in done:
+                    index = pending.pop(ref)
+                    fingerprint, outcome = ray.get(ref)
+                    if fingerprint != expected:
+                        raise ConfigError("--ray", address, "the cluster's workers run other "
+                                          "hybridkv code than this sweep; install the same "
+                                          "hybridkv on every node")
+                    on_done(cells[index], outcome)
+        except BaseException:
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            raise
+        finally:
+            with _stderr_silenced():
+                ray.shutdown()
 
 
-__all__ = ["LOCAL", "RAY_PIN", "ray_installed", "require_ray", "run_ray"]
+__all__ = ["LOCAL", "RAY_PIN", "check_reachable", "ray_installed", "require_ray", "run_ray"]
