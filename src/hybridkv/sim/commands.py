@@ -347,6 +347,8 @@ def _worker_init(parent_pid: int) -> None:
     (``PR_SET_PDEATHSIG`` on Linux, else a thread polling the parent's pid)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # a parent that starts its pool with both blocked (sweep_exec) hands them over now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     if not _set_parent_death_signal():
         threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     if os.getppid() != parent_pid:  # the parent died before the death signal was armed
