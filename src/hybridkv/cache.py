@@ -16,7 +16,7 @@ Token ranges at an ``allocate_slots`` call (half-open)::
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.block import Block
@@ -617,6 +617,39 @@ class KVCacheManager:
             if any(hashes[j] in index for j in range(first, last, step)):
                 return True
         return False
+
+    def growth_probes(self, req_id: ReqId, num_tokens: int, matched_tokens: int = 0,
+                      ) -> tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...] | None:
+        """``may_extend``'s dictionary probes, precomputed: ``may_extend(req_id,
+        num_tokens, matched_tokens)`` is, at any later time while the request waits,
+        ``any(h in index for index, h in probes)`` (the indexes are the pool's live ones).
+        ``None``: always true (no full attention). Lets a caller that asks the same
+        question many times skip the method call."""
+        state = self._state(req_id, "growth_probes")
+        if not self.config.enable_caching:
+            return ()
+        hashes = state.block_hashes
+        hb = self.hasher.block_size
+        pool = self.pool
+        matched = max(num_tokens, matched_tokens)
+        probes: list[tuple[Mapping[BlockHash, Block], BlockHash]] = []
+        full = [m for m in self.coordinator.managers if m.is_full_attention]
+        if not full:
+            return None
+        for manager in full:
+            position = (matched // manager.block_size + 1) * manager.block_size // hb - 1
+            if position < len(hashes):
+                probes.append((pool.group_index(manager.group_id), hashes[position]))
+        if matched > num_tokens:
+            for manager in self.coordinator.managers:
+                if manager.is_full_attention:
+                    continue
+                index = pool.group_index(manager.group_id)
+                step = manager.block_size // hb
+                first = (num_tokens // manager.block_size + 1) * step - 1
+                last = min(matched // hb, len(hashes))
+                probes.extend((index, hashes[j]) for j in range(first, last, step))
+        return tuple(probes)
 
     @property
     def usage(self) -> float:

@@ -379,8 +379,8 @@ def no_progress_error(trace: Trace, policy: str, config: CacheConfig, manager: K
     grow inside the whole pool) or nothing runs and the next request cannot be admitted
     into the empty pool; both mean the pool is too small for that request
     (``PoolTooSmallError``). Anything else would be a scheduler bug."""
-    blocked = (scheduler.requests[preempted[-1]] if preempted
-               else scheduler._next_eligible())  # the request admission refused
+    blocked = (scheduler.requests[preempted[-1]] if preempted  # the request admission refused
+               else scheduler.last_refused or scheduler._next_eligible())
     usable = config.num_blocks - 1
     if blocked is None or blocked.req_id not in manager.request_ids:
         return InvariantViolation(f"replay of {trace.name!r} under {policy!r} made no "

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hybridkv.block import Block
 from hybridkv.cache import Allocation, PrefixHit
 from hybridkv.errors import ConfigError, RequestError
 from hybridkv.ids import BlockHash
@@ -141,6 +142,8 @@ class Scheduler:
         self.running: list[SchedRequest] = []
         self.requests: dict[str, SchedRequest] = {}
         self.num_preemptions = 0
+        self.last_refused: SchedRequest | None = None
+        """The request whose admission this step refused (the pool could not take it)."""
         self.num_steps = 0
         self._active_session: dict[str, str] = {}
         self._unfinished_by_phase: dict[int, int] = {}
@@ -191,6 +194,7 @@ class Scheduler:
 
     def _schedule(self) -> StepPlan:
         self.num_steps += 1
+        self.last_refused = None
         if self._to_check:
             self._stamp_eligible()
         self.manager.new_step()
@@ -265,6 +269,15 @@ class Scheduler:
     def may_extend(self, request: SchedRequest, num_tokens: int, matched_tokens: int) -> bool:
         return self.manager.may_extend(request.req_id, num_tokens, matched_tokens)
 
+    def growth_probes(self, request: SchedRequest, num_tokens: int, matched_tokens: int,
+                      ) -> tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...] | None:
+        probes = getattr(self.manager, "growth_probes", None)
+        if probes is None:  # a manager without them (an adapter): always look again
+            return None
+        result: tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...] | None = probes(
+            request.req_id, num_tokens, matched_tokens)
+        return result
+
     @property
     def version(self) -> tuple[int, int]:
         return self.manager.lookup_version
@@ -292,6 +305,7 @@ class Scheduler:
         allocation = manager.allocate_slots(req_id, num_new, hit,
                                             reserve_full_prompt=self.reserve_full_prompt)
         if allocation is None:
+            self.last_refused = request
             return None
         self.waiting.remove(request)
         self.running.append(request)
