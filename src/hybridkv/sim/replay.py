@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import overload
 
 from hybridkv.cache import KVCacheManager
@@ -45,6 +45,12 @@ class ReplaySettings:
     check_invariants: bool = False
     admission: str = "fcfs"
     """Admission order (``sim.admission.ORDERS``); ``fcfs`` is the protocol."""
+
+    def __reduce__(self) -> tuple[type[ReplaySettings], tuple[object, ...]]:
+        """Pickle through the constructor (sweep cells travel to ``--jobs`` / Ray workers):
+        the compiled core's default unpickling sets the fields one by one, which a frozen
+        class refuses."""
+        return (type(self), tuple(getattr(self, f.name) for f in fields(self)))
 
 
 @dataclass(slots=True)
