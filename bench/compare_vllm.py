@@ -43,7 +43,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hybridkv.cache import KVCacheManager
+import hybridkv.native
+from hybridkv.cache import Allocation, KVCacheManager, PrefixHit
 from hybridkv.config import CacheConfig
 from hybridkv.sim.loaders import load_trace
 from hybridkv.sim.model import load_model, num_blocks_for_memory, parse_size
@@ -97,19 +98,66 @@ class SideResult:
         return out
 
 
+class HybridkvTypes:
+    """The vLLM adapter as the compiled scheduler sees it: lookups return a real
+    ``PrefixHit`` and allocations an ``Allocation`` (mypyc checks the declared types at
+    run time), each mapped back to the adapter's own ``VllmHit`` / ``KVCacheBlocks``
+    outside the timed manager calls."""
+
+    def __init__(self, manager: Any, num_groups: int) -> None:
+        self._manager = manager
+        self._no_tables = ((),) * num_groups
+        self._hits: dict[str, Any] = {}
+
+    def find_longest_hit(self, req_id: str) -> PrefixHit:
+        hit = self._manager.find_longest_hit(req_id)
+        self._hits[req_id] = hit
+        return PrefixHit(req_id, hit.num_tokens, self._no_tables, hit.junction_tokens, 0,
+                         hit.num_tokens)
+
+    def _theirs(self, req_id: str, hit: PrefixHit | None) -> Any:
+        return None if hit is None else self._hits[req_id]
+
+    def allocate_slots(self, req_id: str, num_new_tokens: int, hit: PrefixHit | None = None,
+                       **kwargs: Any) -> Allocation | None:
+        result = self._manager.allocate_slots(req_id, num_new_tokens,
+                                              self._theirs(req_id, hit), **kwargs)
+        return None if result is None else Allocation(0, num_new_tokens, 0, ())
+
+    def align_prefill_chunk(self, req_id: str, num_new_tokens: int,
+                            hit: PrefixHit | None = None, **kwargs: Any) -> int:
+        return int(self._manager.align_prefill_chunk(req_id, num_new_tokens,
+                                                     self._theirs(req_id, hit), **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+
+class LoggedLookups:
+    """The scheduler's view of ``manager`` with every ``find_longest_hit`` logged (a
+    compiled ``KVCacheManager`` takes no instance attributes, so it is wrapped, not
+    patched); everything else is the manager's own."""
+
+    def __init__(self, manager: Any, lookups: list[tuple[str, int]]) -> None:
+        self._manager = manager
+        self._lookups = lookups
+
+    def find_longest_hit(self, req_id: str, *rest: Any, **kwargs: Any) -> Any:
+        hit = self._manager.find_longest_hit(req_id, *rest, **kwargs)
+        self._lookups.append((req_id, hit.num_tokens))
+        return hit
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+
 def run_side(manager: Any, trace: Trace, args: argparse.Namespace, label: str) -> SideResult:
     """Replay ``trace`` through ``manager`` with hybridkv's scheduler (protocol v1)."""
     started = time.perf_counter()
     lookups: list[tuple[str, int]] = []
-    find_longest_hit = manager.find_longest_hit
-
-    def logged_lookup(req_id: str, *rest: Any, **kwargs: Any) -> Any:
-        hit = find_longest_hit(req_id, *rest, **kwargs)
-        lookups.append((req_id, hit.num_tokens))
-        return hit
-
-    manager.find_longest_hit = logged_lookup  # every lookup, refused admissions included
-    scheduler = Scheduler(manager, max_running=args.max_running, chunk_size=args.chunk_size,
+    # every lookup, refused admissions included (logged outside the timed manager calls)
+    scheduler = Scheduler(LoggedLookups(manager, lookups), max_running=args.max_running,
+                          chunk_size=args.chunk_size,
                           reserve_full_prompt=not args.no_admission_gate)
     requests: list[SchedRequest] = []
     for index, request in enumerate(trace.requests):
@@ -163,7 +211,9 @@ def compare_policy(trace: Trace, config: CacheConfig, policy: str, args: argpars
     from vllm_adapter import VllmManager, retention_interval
 
     ours = run_side(KVCacheManager(config, policy), trace, args, f"hybridkv {policy}")
-    theirs = run_side(VllmManager(config, policy), trace, args, f"vllm {policy}")
+    vllm_manager = VllmManager(config, policy)
+    theirs = run_side(HybridkvTypes(vllm_manager, len(config.groups)), trace, args,
+                      f"vllm {policy}")
     mismatches = [
         {"request_id": rid, "index": idx, "prompt_tokens": trace.requests[idx].input_length,
          "hybridkv": ours.first_hits[rid], "vllm": theirs.first_hits[rid]}
@@ -297,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     eagle = "eagle drop mode" if args.eagle_drop else \
         "eagle lookahead hashes" if args.eagle else "no eagle"
     print(f"trace {trace.name} ({len(trace)} requests), model {args.model}, "
-          f"{args.num_blocks} blocks, {eagle}, vllm {vllm.__version__}", flush=True)
+          f"{args.num_blocks} blocks, {eagle}, vllm {vllm.__version__}, "
+          f"hybridkv core {_core()}", flush=True)
     rows = []
     for policy in policies:
         rows.append(compare_policy(trace, config, policy, args))
@@ -334,12 +385,18 @@ def check_block_counts(args: argparse.Namespace) -> bool:
     return failed
 
 
+def _core() -> str:
+    selection = hybridkv.native.SELECTED or hybridkv.native.decide()
+    return f"{selection.mode} ({selection.reason})"
+
+
 def _write_json(args: argparse.Namespace, trace: Trace, rows: list[dict[str, Any]],
                 vllm_version: str) -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "trace": str(args.trace), "requests": len(trace), "model": args.model,
         "num_blocks": args.num_blocks, "max_running": args.max_running,
+        "hybridkv_core": _core(),
         "chunk_size": args.chunk_size, "admission_gate": not args.no_admission_gate,
         "eagle": "drop" if args.eagle_drop else "lookahead" if args.eagle else None,
         "vllm_version": vllm_version,

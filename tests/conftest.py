@@ -34,3 +34,38 @@ def pytest_configure(config: pytest.Config) -> None:
     # the real failure with an INTERNALERROR.
     config.addinivalue_line(
         "filterwarnings", "ignore:mypy_extensions.TypedDict is deprecated:DeprecationWarning")
+
+
+# ---------------------------------------------------------------- compiled / pure core
+# ``python -m pytest`` tests whichever core ``hybridkv.native`` selected (the header line
+# says which); ``HYBRIDKV_PURE_PYTHON=1`` forces the pure-Python one. A test that replaces
+# or subclasses a class of the compiled modules (mypyc classes are closed) requests the
+# ``pure_python`` fixture: it is skipped on the compiled core and marked ``pure_python``,
+# so CI's pure-Python pass can select it (``.ci/run``).
+
+
+def _core_is_compiled() -> bool:
+    import hybridkv.native
+
+    selection = hybridkv.native.SELECTED
+    return selection is not None and selection.mode == "compiled"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    import hybridkv.native
+
+    selection = hybridkv.native.SELECTED or hybridkv.native.decide()
+    return f"hybridkv core: {selection.mode} ({selection.reason})"
+
+
+@pytest.fixture
+def pure_python() -> None:
+    """Skip on the compiled core: the test patches or subclasses a compiled class."""
+    if _core_is_compiled():
+        pytest.skip("patches a compiled (closed) class; runs in CI's pure-Python pass")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "pure_python" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.pure_python)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hybridkv.native  # noqa: F401  (first: picks the compiled or pure-Python core)
 from hybridkv.cache import Allocation, KVCacheManager, PrefixHit
 from hybridkv.config import CacheConfig, CacheGroup, plan_cache_groups
 from hybridkv.errors import (

@@ -16,8 +16,9 @@ Token ranges at an ``allocate_slots`` call (half-open)::
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hybridkv.block import Block
 from hybridkv.config import CacheConfig
@@ -47,6 +48,10 @@ from hybridkv.specs import FullAttentionSpec
 from hybridkv.stats import PrefixCacheStats
 from hybridkv.tokens import RequestTokens
 from hybridkv.views import BlockView, CachedBlock, CacheSnapshot, GroupUsage
+
+if TYPE_CHECKING:
+    from hybridkv.events.log import EventLog
+    from hybridkv.events.schema import KVEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +154,10 @@ class KVCacheManager:
     Args:
         config: the cache configuration (groups, pool size, hashing, EAGLE).
         retention: a ``RetentionPolicy`` or its name (default ``"latest"``).
+        enable_kv_cache_events: record KV events (vLLM 0.33's ``BlockStored`` /
+            ``BlockRemoved`` / ``AllBlocksCleared``, plus per-group residency) for
+            ``take_events``; needs the ``events`` extra (msgspec). Off: no cost beyond one
+            attribute check per pool call.
 
     Invariants (``check_invariants``): the pool's invariants with holders taken from every
     group's block tables; a request holds blocks ⇔ it is running; each running request's
@@ -156,7 +165,8 @@ class KVCacheManager:
     """
 
     def __init__(self, config: CacheConfig, retention: RetentionPolicy | str = "latest",
-                 eviction: EvictionOptions | None = None) -> None:
+                 eviction: EvictionOptions | None = None, *,
+                 enable_kv_cache_events: bool = False) -> None:
         self.recompute = False
         """Window-recompute partial hits (policy modifier ``+recompute``)."""
         self.checkpoints = CHUNK_CHECKPOINTS
@@ -210,6 +220,38 @@ class KVCacheManager:
         """Wall time spent inside lookup/allocate/free/step (prompt hashing excluded)."""
         self.hash_seconds = 0.0
         """Wall time spent hashing prompts in ``add_request`` (vLLM does it in its Request)."""
+        self._event_log: EventLog | None = None
+        if enable_kv_cache_events:
+            self.start_kv_cache_events()
+
+    def start_kv_cache_events(self) -> None:
+        """Turn KV events on (as ``enable_kv_cache_events=True`` does) for a manager
+        constructed without them, before its first request: the stream then describes
+        every cached block. No-op when already on."""
+        if self._event_log is not None:
+            return
+        if self._requests or any(b.block_hash is not None for b in self.pool.blocks):
+            raise RequestError("start_kv_cache_events: the manager already has requests "
+                               "or cached blocks; turn events on before the first request")
+        try:
+            from hybridkv.events.manager_hook import make_event_log
+        except ImportError as err:  # the optional dependency is missing
+            raise ConfigError("enable_kv_cache_events", True,
+                              f"KV events need msgspec: pip install 'hybridkv[events]' "
+                              f"({err})") from err
+        self._event_log = make_event_log(self)
+        self.pool.event_records = self._event_log.records
+
+    @property
+    def enable_kv_cache_events(self) -> bool:
+        return self._event_log is not None
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events since the last call, in order (vLLM's ``take_events``); ``[]``
+        when events are off. Encode a batch with ``hybridkv.events.encode_batch``."""
+        if self._event_log is None:
+            return []
+        return self._event_log.take_events()
 
     # ------------------------------------------------------------ requests
     def add_request(self, req_id: ReqId, prompt_token_ids: Sequence[int], *,
@@ -271,6 +313,8 @@ class KVCacheManager:
             self._release(req_id, state, state.session_id,
                           state.token_ids.num_tokens - state.num_prompt_tokens)
         del self._requests[req_id]
+        if self._event_log is not None:
+            self._event_log.forget(req_id)
 
     # ---------------------------------------------------------------- lookup
     def find_longest_hit(self, req_id: ReqId, max_num_tokens: int | None = None) -> PrefixHit:
@@ -328,7 +372,8 @@ class KVCacheManager:
         finally:
             self.manager_seconds += time.perf_counter() - started
 
-    def _allocate(self, req_id: ReqId, num_new_tokens: int, hit: PrefixHit | None,
+    def _allocate(self, req_id: ReqId, num_new_tokens: int,  # noqa: PLR0912 - hot path:
+                  hit: PrefixHit | None,  # one function, no helper calls per step
                   num_lookahead_tokens: int, reserve_full_prompt: bool) -> Allocation | None:
         state = self._state(req_id, "allocate_slots")
         admitting = not state.is_running
@@ -386,7 +431,15 @@ class KVCacheManager:
                                      state.num_prompt_tokens, state.junction_tokens,
                                      state.bridge_end_tokens if state.window_floor_tokens
                                      else 0)
+            if self._event_log is not None:
+                self._flush_events(req_id, state)
         return Allocation(num_computed, num_new_tokens, num_hit, tuple(new_blocks))
+
+    def _flush_events(self, req_id: ReqId, state: _RequestState) -> None:
+        from hybridkv.events.log import RequestContext
+        assert self._event_log is not None
+        self._event_log.flush(RequestContext(req_id, state.block_hashes, state.token_ids,
+                                             state.extra_keys, state.session_id))
 
     def _checked_hit(self, req_id: ReqId, hit: PrefixHit, admitting: bool,
                      ) -> tuple[Sequence[Sequence[Block]], int]:
@@ -475,7 +528,11 @@ class KVCacheManager:
         pool = self.pool
         if pool.num_free_blocks != pool.num_blocks - 1:
             return False
+        records, pool.event_records = pool.event_records, None
         pool.drop_cached([b for b in pool.blocks if b.block_hash is not None])
+        pool.event_records = records
+        if self._event_log is not None:
+            self._event_log.clear()  # one AllBlocksCleared, as vLLM
         pool.epoch += 1
         return True
 
@@ -617,6 +674,39 @@ class KVCacheManager:
             if any(hashes[j] in index for j in range(first, last, step)):
                 return True
         return False
+
+    def growth_probes(self, req_id: ReqId, num_tokens: int, matched_tokens: int = 0,
+                      ) -> tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...] | None:
+        """``may_extend``'s dictionary probes, precomputed: ``may_extend(req_id,
+        num_tokens, matched_tokens)`` is, at any later time while the request waits,
+        ``any(h in index for index, h in probes)`` (the indexes are the pool's live ones).
+        ``None``: always true (no full attention). Lets a caller that asks the same
+        question many times skip the method call."""
+        state = self._state(req_id, "growth_probes")
+        if not self.config.enable_caching:
+            return ()
+        hashes = state.block_hashes
+        hb = self.hasher.block_size
+        pool = self.pool
+        matched = max(num_tokens, matched_tokens)
+        probes: list[tuple[Mapping[BlockHash, Block], BlockHash]] = []
+        full = [m for m in self.coordinator.managers if m.is_full_attention]
+        if not full:
+            return None
+        for manager in full:
+            position = (matched // manager.block_size + 1) * manager.block_size // hb - 1
+            if position < len(hashes):
+                probes.append((pool.group_index(manager.group_id), hashes[position]))
+        if matched > num_tokens:
+            for manager in self.coordinator.managers:
+                if manager.is_full_attention:
+                    continue
+                index = pool.group_index(manager.group_id)
+                step = manager.block_size // hb
+                first = (num_tokens // manager.block_size + 1) * step - 1
+                last = min(matched // hb, len(hashes))
+                probes.extend((index, hashes[j]) for j in range(first, last, step))
+        return tuple(probes)
 
     @property
     def usage(self) -> float:

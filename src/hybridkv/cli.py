@@ -1,4 +1,4 @@
-"""The ``hybridkv`` command line: replay, sweep, check-trace, verify.
+"""The ``hybridkv`` command line: replay, sweep, check-trace, verify, cluster.
 
 Exit codes: 0 success; 1 ``verify`` found a divergence, or a bug (its traceback is kept);
 2 bad input: a ``HybridKVError`` or a bad option, as one line on stderr naming what was
@@ -22,7 +22,9 @@ from typing import NoReturn
 
 from rich.console import Console
 
-from hybridkv.argtypes import non_empty_str, positive_int
+from hybridkv.argtypes import non_empty_str, non_negative_float, positive_int
+from hybridkv.cluster.command import add_cluster_arguments, cmd_cluster
+from hybridkv.cluster.report import CLUSTER_HELP
 from hybridkv.errors import ConfigError, HybridKVError
 from hybridkv.policies import CORE_POLICIES
 from hybridkv.sim.admission import ORDERS
@@ -131,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--quiet", action="store_true", help="no progress bar")
     replay.add_argument("--jobs", type=positive_int, default=1,
                         help="replay policies in this many processes (default 1)")
+    _add_observer_arguments(replay)
 
     sweep = sub.add_parser(
         "sweep", help="traces × models × pool sizes × policies → table, CSV, JSON, PNG",
@@ -165,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--model", type=non_empty_str, default=None)
     check.add_argument("--limit", type=positive_int, default=None)
 
+    cluster = sub.add_parser("cluster", help="replay a trace over N instances behind a router",
+                             description=CLUSTER_HELP,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cluster_arguments(cluster, _add_source_arguments,
+                          lambda p: _add_pool_arguments(p, many=False), _path)
+
     _add_verify_parser(sub)
     return parser
 
@@ -177,6 +186,22 @@ def _add_verify_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
         verify.set_defaults(engine_missing=True)
         return
     add_verify_arguments(verify)
+
+
+def _add_observer_arguments(parser: argparse.ArgumentParser) -> None:
+    """KV events and Prometheus metrics of the run (``hybridkv.observe``)."""
+    parser.add_argument("--events", type=non_empty_str, default=None, metavar="ENDPOINT",
+                        help="publish KV events in vLLM's format on a ZMQ PUB socket "
+                        "(tcp://*:5557 binds; tcp://HOST:PORT connects to a subscriber)")
+    parser.add_argument("--events-replay", type=non_empty_str, default=None,
+                        metavar="ENDPOINT", help="ZMQ ROUTER endpoint serving replays of "
+                        "buffered event batches (vLLM's replay protocol)")
+    parser.add_argument("--metrics", type=non_empty_str, default=None, metavar="PORT|PATH",
+                        help="Prometheus metrics: serve on this HTTP port during the run, "
+                        "or write this file (text format) at the end")
+    parser.add_argument("--linger-seconds", type=non_negative_float, default=0.0,
+                        help="keep --events-replay and the --metrics port up this long "
+                        "after the report (default 0)")
 
 
 def _path(text: str) -> Path:
@@ -229,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             err_console = Console(stderr=True)
             commands: dict[str, Callable[[argparse.Namespace, Console, Console], int]] = {
                 "replay": cmd_replay, "sweep": cmd_sweep, "check-trace": cmd_check_trace,
-                "verify": _cmd_verify,
+                "verify": _cmd_verify, "cluster": cmd_cluster,
             }
             return commands[args.command](args, console, err_console)
     except HybridKVError as err:

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from hybridkv.block import DEAD_QUEUE, FREE_QUEUE, PROTECTED_QUEUE, SESSION_QUEUE, Block
 from hybridkv.errors import ConfigError, InvariantViolation
 from hybridkv.ids import BlockHash, GroupId
+from hybridkv.native import mypyc_attr
 from hybridkv.pool import BlockPool, FreeTier
 
 EVICTION_NAMES = ("lru", "scan", "chain", "session", "predict")
@@ -72,6 +73,7 @@ def output_signature(num_output_tokens: int) -> int:
     return max(num_output_tokens, 0).bit_length()
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests subclass it
 class ReusePredictor:
     """Per-signature reuse rates learned from a bounded history of logged blocks.
 

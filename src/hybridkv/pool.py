@@ -108,6 +108,10 @@ class BlockPool:
         self.eviction = eviction
         self.epoch = 0
         """Bumped by every mutation that can invalidate a lookup result."""
+        self.event_records: list[tuple[int, int, BlockHash]] | None = None
+        """KV events on: every hash-index change is appended as ``(0, group, hash)``
+        (cached) or ``(1, group, hash)`` (a cached copy lost its hash); ``hybridkv.events``
+        turns them into vLLM-format events. ``None`` (off) costs one check per call."""
 
     # ------------------------------------------------------------------ queries
     @property
@@ -155,8 +159,9 @@ class BlockPool:
                 break
             if queue.num_blocks:
                 taken.extend(queue.popleft_n(min(missing, queue.num_blocks)))
-        if self.eviction is None:
-            # Fast path (no eviction policy, so nothing gets relinked): one pass; a hashed
+        if self.eviction is None and self.event_records is None:
+            # Fast path (no eviction policy, so nothing gets relinked; events off: ``_evict``
+            # records them): one pass; a hashed
             # block whose hash has no duplicate copy is the primary entry of that hash.
             indexes, duplicates = self._index, self._duplicates
             evicted = self.num_evicted_blocks
@@ -273,6 +278,8 @@ class BlockPool:
             raise InvariantViolation(f"cache_block({block!r}): block already hashed or null")
         block.block_hash = block_hash
         block.hash_group_id = group_id
+        if self.event_records is not None:
+            self.event_records.append((0, group_id, block_hash))
         index = self._index[group_id]
         if block_hash in index:
             self._duplicates[group_id].setdefault(block_hash, []).append(block)
@@ -287,6 +294,10 @@ class BlockPool:
         ``chain`` eviction), in one pass; skips null and already-hashed blocks."""
         index = self._index[group_id]
         policy = self.eviction
+        if self.event_records is not None:
+            self.event_records.extend(
+                (0, group_id, h) for b, h in zip(blocks, hashes, strict=True)
+                if b.block_hash is None and not b.is_null)
         if policy is None and self.null_block not in blocks:
             # The run's hashes not in the index yet (usually all, or all but a recomputed
             # prefix of the run) need no duplicate handling, and none of their blocks is
@@ -339,6 +350,8 @@ class BlockPool:
         block.hash_group_id = None
         block.num_hits = 0
         self.num_evicted_blocks[group_id] += 1
+        if self.event_records is not None:
+            self.event_records.append((1, group_id, block_hash))
         if self.eviction is not None:
             self.eviction.on_evicted(self, block, block_hash, group_id,
                                      still_cached=block_hash in index)

@@ -341,6 +341,7 @@ def _shrink_bridge(monkeypatch: pytest.MonkeyPatch, by: Callable[[int, int], int
     monkeypatch.setattr(coordinator_module, "_bridge_tokens", shorter)
 
 
+@pytest.mark.usefixtures("pure_python")
 def test_bridge_one_alignment_short_diverges(monkeypatch: pytest.MonkeyPatch) -> None:
     """B - A < sum (w - 1): the first keys of the last windows before F are inexact."""
     _shrink_bridge(monkeypatch, lambda b, a: b - a)
@@ -349,6 +350,7 @@ def test_bridge_one_alignment_short_diverges(monkeypatch: pytest.MonkeyPatch) ->
     _assert_diverged(out)
 
 
+@pytest.mark.usefixtures("pure_python")
 def test_bridge_formula_is_tight_to_the_token(monkeypatch: pytest.MonkeyPatch) -> None:
     """Block size 1 (no rounding): B = 3 x (5 - 1) = 12 is exact, 11 diverges."""
     case = Case(GEMMA, window=5, block_size=1, num_units=48, chunk_size=32)

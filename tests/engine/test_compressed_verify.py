@@ -135,7 +135,7 @@ TableEdit = Callable[[list[int], int], None]
 
 
 @pytest.fixture
-def hits(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+def hits(monkeypatch: pytest.MonkeyPatch, pure_python: None) -> Iterator[dict[str, int]]:
     """Per request, its latest hit length (tokens)."""
     log: dict[str, int] = {}
     original = KVCacheManager.find_longest_hit

@@ -37,7 +37,7 @@ class HitLog(dict[str, int]):
 
 
 @pytest.fixture
-def hit_lengths(monkeypatch: pytest.MonkeyPatch) -> Iterator[HitLog]:
+def hit_lengths(monkeypatch: pytest.MonkeyPatch, pure_python: None) -> Iterator[HitLog]:
     log = HitLog()
     original = KVCacheManager.find_longest_hit
 

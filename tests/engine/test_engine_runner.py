@@ -115,6 +115,7 @@ def test_verify_cli_reports_each_policy(capsys: pytest.CaptureFixture[str]) -> N
     assert lines[-1] == "all identical"
 
 
+@pytest.mark.usefixtures("pure_python")
 def test_verify_cli_exits_1_on_divergence(monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     from hybridkv import KVCacheManager
@@ -132,3 +133,42 @@ def test_verify_cli_exits_1_on_divergence(monkeypatch: pytest.MonkeyPatch,
     assert _cli("--workload", "boundaries", "--policy", "latest") == 1
     out = capsys.readouterr().out
     assert "DIVERGED" in out and "request=" in out and "position" in out
+
+
+def test_engine_publishes_events_and_metrics() -> None:
+    """The reference engine's KV events rebuild its pool index exactly, and its metrics
+    equal the manager's counters (issue 17)."""
+    from hybridkv.events import AllBlocksCleared, BlockRemoved, KVEvent, external_hash
+    from hybridkv.events.replica import ResidentReplica
+    from hybridkv.metrics import CacheMetrics, ReplayMetrics
+    from hybridkv.observe import KVEventStream
+
+    published: list[KVEvent] = []
+
+    class Capture:
+        def publish(self, events: list[KVEvent]) -> None:
+            published.extend(events)
+
+    metrics = CacheMetrics(model_name="tiny")
+    stream = KVEventStream(Capture())  # type: ignore[arg-type]
+    runner = _runner(num_blocks=80, record_logits=False, policy="prepend",
+                     observers=(stream, ReplayMetrics(metrics)))
+    prompt = list(range(100, 140))
+    result = runner.run([SchedRequest("a", prompt, 2), SchedRequest("b", prompt + [7] * 30, 2),
+                         SchedRequest("c", list(range(300, 360)), 2)])
+    assert runner.manager is not None
+    replica = ResidentReplica()
+    replica.apply_all(published)
+    truth: dict[int, dict[int | bytes, int]] = {}
+    for block in runner.manager.pool.blocks:
+        if block.block_hash is not None and block.hash_group_id is not None:
+            group = truth.setdefault(block.hash_group_id, {})
+            key = external_hash(block.block_hash)
+            group[key] = group.get(key, 0) + 1
+    assert {g: r for g, r in replica.resident.items() if r} == truth and truth
+    assert AllBlocksCleared() not in published
+    assert any(isinstance(e, BlockRemoved) for e in published)  # c evicted cached blocks
+    assert metrics.value("hybridkv:prefix_cache_queries_total", policy="prepend") == \
+        result.prompt_tokens
+    assert metrics.value("hybridkv:prefix_cache_hits_total", policy="prepend") == \
+        result.total_hit_tokens > 0

@@ -180,7 +180,7 @@ class Tables:
 
 
 @pytest.fixture
-def tables(monkeypatch: pytest.MonkeyPatch) -> Iterator[Tables]:
+def tables(monkeypatch: pytest.MonkeyPatch, pure_python: None) -> Iterator[Tables]:
     log = Tables()
     original = KVCacheManager.find_longest_hit
 

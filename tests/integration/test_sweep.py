@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -10,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -335,10 +336,37 @@ def test_kv_memory_budgets_per_model(inputs: Path, tmp_path: Path,
     assert rows[0]["num_blocks"] != rows[2]["num_blocks"]
 
 
+_SPAWNED: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_spawned() -> Iterator[None]:
+    """A failed signal test must not leave a minutes-long sweep (or its workers) running:
+    each spawned CLI gets its own session, killed whole at teardown."""
+    yield
+    while _SPAWNED:
+        process = _SPAWNED.pop()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.communicate(timeout=10)
+
+
 def _spawn(argv: list[str], cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "hybridkv.cli", *argv], cwd=cwd,
-                            env={**os.environ, "PYTHONPATH": str(SRC)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", *argv], cwd=cwd,
+                               env={**os.environ, "PYTHONPATH": str(SRC)},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    _SPAWNED.append(process)
+    return process
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
@@ -399,8 +427,9 @@ def test_sigterm_stops_the_jobs_workers(inputs: Path, tmp_path: Path) -> None:
     process = _spawn(["sweep", *LONG, "--model", str(inputs / "tiny.toml"), "--policy",
                       "latest,dense", "--num-blocks", "5000,9000", "--quiet", "--jobs", "2",
                       "--csv", str(out / "s.csv"), "--results", str(out / "cells")], out)
-    assert _wait_for(lambda: len(_children(process.pid)) >= 2, 60), process.communicate()
-    workers = _children(process.pid)
+    assert _wait_for(lambda: len(_children(process.pid)) >= 2 and all(
+        _cpu_seconds(w) > 0.3 for w in _children(process.pid)), 120), process.communicate()
+    workers = _children(process.pid)  # both replaying (past their start-up)
     process.terminate()
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 143, stderr
@@ -486,3 +515,20 @@ def test_a_bad_ray_address_is_one_line_at_once(inputs: Path, tmp_path: Path, add
     (line,) = stderr.strip().splitlines()
     assert line.startswith(f"hybridkv sweep: error: --ray='{address}'") and fragment in line
     assert not out.exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc")
+def test_sigterm_while_the_workers_start(inputs: Path, tmp_path: Path) -> None:
+    """SIGTERM the moment the first worker exists (before it set its handlers): the
+    signal waits until the pool is owned, then the sweep stops with one line, no hang."""
+    process = _spawn(["sweep", *LONG, "--model", str(inputs / "tiny.toml"), "--policy",
+                      "latest,dense", "--num-blocks", "5000,9000", "--quiet", "--jobs", "2"],
+                     tmp_path)
+    assert _wait_for(lambda: bool(_children(process.pid)) or process.poll() is not None, 60)
+    workers = _children(process.pid)
+    process.terminate()
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr
+    assert stderr.strip().splitlines() == [
+        "hybridkv sweep: terminated (SIGTERM); no output written"]
+    assert _wait_for(lambda: not any(_alive(w) for w in workers), 10), "workers still run"

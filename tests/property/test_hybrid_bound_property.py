@@ -91,6 +91,7 @@ def test_no_replay_beats_its_bound(retention: str, eviction: str, case: Case) ->
     assert log is not None and sum(log.reads) == len(case.trace.requests)
 
 
+@pytest.mark.usefixtures("pure_python")
 def test_an_over_tight_bound_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The property check fails for a bound that is too tight. The over-tight variant: the
     full-attention manager's ``bound_item_blocks`` hook answers 0 (as a new chain-like
@@ -112,3 +113,24 @@ def test_an_over_tight_bound_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
         found = find(cases(("full+window",)), beats_its_bound,
                      settings=settings(max_examples=500, deadline=None, database=None))
     assert not beats_its_bound(found)
+
+
+@pytest.mark.parametrize("admission", ("hit", "session", "warm"))
+@pytest.mark.parametrize("policy", ("latest", "dense+scan", "interval:32+predict+recompute"))
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(("full+window", "full+window(bs 8)", "full")))
+def test_no_replay_beats_its_bound_under_any_admission_order(admission: str, policy: str,
+                                                             case: Case) -> None:
+    """The bounds are for the order the run used, whatever the order: the log records it."""
+    config = CacheConfig.from_layers(list(MODELS[case.model]), num_blocks=case.num_blocks,
+                                     max_num_batched_tokens=case.chunk_size)
+    try:
+        result = replay(case.trace, config, policy,
+                        ReplaySettings(max_running=case.max_running, chunk_size=case.chunk_size,
+                                       admission=admission, check_invariants=True))
+    except PoolTooSmallError:
+        return
+    attach_bounds(result, case.trace, config)
+    assert result.bound_hit_tokens is not None and result.bound_fa_hit_tokens is not None
+    assert result.hit_tokens <= result.bound_hit_tokens <= result.bound_fa_hit_tokens, (
+        admission, policy, case)

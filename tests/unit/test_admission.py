@@ -9,7 +9,7 @@ import pytest
 
 from hybridkv import CacheConfig, FullAttentionSpec, KVCacheManager, SlidingWindowSpec
 from hybridkv.cli import main
-from hybridkv.errors import ConfigError
+from hybridkv.errors import ConfigError, PoolTooSmallError
 from hybridkv.sim.admission import ORDERS, parse_admissions
 from hybridkv.sim.replay import ReplaySettings, replay
 from hybridkv.sim.scheduler import SchedRequest, Scheduler
@@ -194,6 +194,36 @@ def test_may_extend_and_lookup_version_track_what_can_change_a_hit() -> None:
     assert manager.lookup_version == unchanged  # lookups never move it
 
 
+def test_growth_probes_answer_as_may_extend_does_later() -> None:
+    # The probes precomputed for a waiting request's cached hit give may_extend's answer
+    # at any later time: before and after "seed" caches the blocks that extend the hit.
+    config = CacheConfig.from_layers(
+        [FullAttentionSpec(4, 1), SlidingWindowSpec(4, 1, 8)], 64)
+    manager = KVCacheManager(config, "latest")
+    seed = list(range(40))
+    manager.add_request("first", seed[:5])
+    assert manager.allocate_slots("first", 5) is not None  # caches [0, 4)
+    manager.free("first")
+    questions = [("x", [*seed[:24], 999, 999, 999, 999, 999]), ("y", seed[:37])]
+    for req_id, tokens in questions:
+        manager.add_request(req_id, tokens)
+    asked = [(req_id, n, m) for req_id, _ in questions for n, m in ((0, 0), (4, 4), (0, 24),
+                                                                     (4, 36), (36, 36))]
+    probes = {q: manager.growth_probes(*q) for q in asked}
+
+    def answers() -> list[bool]:
+        now = [manager.may_extend(*q) for q in asked]
+        assert now == [p is None or any(h in index for index, h in p)
+                       for p in (probes[q] for q in asked)]
+        return now
+
+    before = answers()
+    manager.add_request("seed", seed)
+    assert manager.allocate_slots("seed", 40) is not None
+    after = answers()
+    assert before != after  # the check above compared something that changed
+
+
 def test_a_hit_ends_on_a_free_block_only_once_its_holder_released_it() -> None:
     # ``warm`` ranks hits on free blocks (evictable by the next allocation) first: while
     # "seed" runs, "y"'s hit is on blocks "seed" holds; once "seed" is freed, on free ones.
@@ -208,3 +238,19 @@ def test_a_hit_ends_on_a_free_block_only_once_its_holder_released_it() -> None:
     manager.free("seed")
     free = manager.find_longest_hit("y")
     assert free.num_tokens == 36 and free.ends_on_free_block
+
+
+@pytest.mark.parametrize("admission", ["fcfs", "warm"])
+def test_a_request_no_pool_can_take_is_named_under_every_order(admission: str) -> None:
+    # Found by the bound property test under ``warm``: r2 (33 tokens) needs 13 blocks of a
+    # 12-block pool. ``warm`` picks it before r1, so the refused request is r2, not the
+    # first-come one: the replay must name r2 (PoolTooSmallError), not report a stall.
+    requests = (TraceRequest("r0", 17, 1, block_ids=(1,), trace_block_size=16),
+                TraceRequest("r1", 1, 1, block_ids=(), trace_block_size=16),
+                TraceRequest("r2", 33, 1, block_ids=(1, 1), trace_block_size=16))
+    config = CacheConfig.from_layers(
+        [FullAttentionSpec(16, 8), SlidingWindowSpec(8, 16, 20), SlidingWindowSpec(8, 16, 20)],
+        num_blocks=12, max_num_batched_tokens=16)
+    with pytest.raises(PoolTooSmallError, match="'r2'"):
+        replay(Trace("t", requests), config, "latest",
+               ReplaySettings(max_running=1, chunk_size=16, admission=admission))

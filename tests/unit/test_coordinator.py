@@ -246,6 +246,7 @@ def spy_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
         48,  # SWA-b's 48 comes from the leading-run rule (3 blocks from block 0)
     ),
 ])
+@pytest.mark.usefixtures("pure_python")
 def test_three_group_fixed_point(monkeypatch: pytest.MonkeyPatch,
                                  evictions: list[tuple[int, int]],
                                  expected_calls: list[tuple[str, int, int]],

@@ -36,6 +36,7 @@ from hybridkv.engine.model import AttendFn, HybridDecoder, MixFn
 from hybridkv.engine.paged import PagedKVCache
 from hybridkv.engine.recurrent import gated_delta_reference
 from hybridkv.errors import CapacityError, ConfigError
+from hybridkv.sim.replay import ReplayObserver
 from hybridkv.sim.scheduler import SchedRequest, ScheduledChunk, Scheduler, StepPlan
 
 
@@ -156,6 +157,10 @@ class RunOptions:
     poison: bool = False
     admission: str = "fcfs"
     """Admission order of the shared scheduler (``hybridkv.sim.admission.ORDERS``)."""
+    observers: tuple[ReplayObserver, ...] = ()
+    """KV events / metrics of the run (``hybridkv.observe.KVEventStream``,
+    ``hybridkv.metrics.ReplayMetrics``): attached to the run's manager and scheduler,
+    called after every step."""
 
 
 class EngineRunner:
@@ -234,6 +239,8 @@ class EngineRunner:
         scheduler = Scheduler(manager, max_running=opts.max_running, chunk_size=opts.chunk_size,
                               admission=opts.admission)
         self.manager, self.scheduler = manager, scheduler
+        for observer in opts.observers:
+            observer.attach(manager, scheduler, opts.policy)
         records: dict[str, RequestRecord] = {}
         for request in requests:
             scheduler.add_request(_copy_request(request))
@@ -265,6 +272,10 @@ class EngineRunner:
                 if record.first_token_s is None:
                     record.first_token_s = step_done
             scheduler.update(plan, sampled)
+            for observer in opts.observers:
+                observer.on_step(manager, scheduler)
+        for observer in opts.observers:
+            observer.detach(manager, scheduler, None)
         stats = manager.stats
         return RunResult(opts.policy, records, scheduler.num_steps, scheduler.num_preemptions,
                          stats.queries, stats.hits, computed,

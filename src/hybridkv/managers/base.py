@@ -148,6 +148,17 @@ class GroupManager(ABC):
         del max_num_batched_tokens, max_model_len
         return None
 
+    def hit_tail_blocks(self, num_tokens: int) -> int | None:
+        """Blocks ending at ``num_tokens`` (an aligned hit point) that a hit there needs
+        cached in this group; ``None``: every block from 0 (a full-attention kind). KV
+        events report where such groups can still land a hit (``hybridkv.events``)."""
+        del num_tokens
+        return None
+
+    def max_hit_tail_blocks(self) -> int:
+        """The largest ``hit_tail_blocks`` of any point (0 for full-attention kinds)."""
+        return 0
+
     def next_release_tokens(self, num_computed_tokens: int) -> int:
         """Smallest computed-token count above ``num_computed_tokens`` at which another
         block leaves this group's window (releases can only happen from there on)."""

@@ -22,6 +22,15 @@ class ChunkedLocalManager(GroupManager):
             span = min(span, max_model_len)
         return -(-span // self.block_size)
 
+    def hit_tail_blocks(self, num_tokens: int) -> int | None:
+        """The blocks of the current chunk before ``p`` (none at a chunk boundary)."""
+        assert isinstance(self.spec, ChunkedLocalSpec)
+        return (num_tokens % self.spec.attention_chunk_size) // self.block_size
+
+    def max_hit_tail_blocks(self) -> int:
+        assert isinstance(self.spec, ChunkedLocalSpec)
+        return max(0, self.spec.attention_chunk_size // self.block_size - 1)
+
     def next_release_tokens(self, num_computed_tokens: int) -> int:
         """The next chunk boundary (a chunk's blocks leave when the next chunk starts)."""
         assert isinstance(self.spec, ChunkedLocalSpec)

@@ -62,6 +62,11 @@ class RingBufferManager(GroupManager):
     covers_computed_tokens: ClassVar[bool] = False
     batches_siblings: ClassVar[bool] = False
 
+    def hit_tail_blocks(self, num_tokens: int) -> int | None:
+        """Nothing: a hit needs no ring state (never cached, so never in events)."""
+        del num_tokens
+        return 0
+
     @classmethod
     def find_longest_hit(cls, pool: BlockPool, group_ids: Sequence[GroupId], spec: LayerSpec,
                          hashes: Sequence[BlockHash], max_num_tokens: int, *,

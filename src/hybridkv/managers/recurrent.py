@@ -126,6 +126,14 @@ class RecurrentStateManager(GroupManager):
             return [[null] * i + [block] for block in found], (i + 1) * bs
         return [[] for _ in group_ids], 0
 
+    def hit_tail_blocks(self, num_tokens: int) -> int | None:
+        """One block: the checkpoint of the state after exactly ``p`` tokens."""
+        del num_tokens
+        return 1
+
+    def max_hit_tail_blocks(self) -> int:
+        return 1
+
     # -------------------------------------------------------------- allocation
     def num_blocks_to_allocate(self, req_id: ReqId, num_tokens: int, hit_blocks: Sequence[Block],
                                num_computed_tokens: int, admission_cap: int | None) -> int:

@@ -39,6 +39,23 @@ class SlidingWindowManager(GroupManager):
         num_out = spec.num_skipped_tokens(num_computed_tokens) // spec.block_size
         return (num_out + 1) * spec.block_size + spec.sliding_window - 1
 
+    def hit_tail_blocks(self, num_tokens: int) -> int | None:
+        """The ``need`` blocks ending at ``p``, or the run from block 0 when shorter.
+
+        >>> from hybridkv.specs import SlidingWindowSpec
+        >>> spec = SlidingWindowSpec(block_size=4, kv_bytes_per_token=1, sliding_window=8)
+        >>> SlidingWindowManager.tail_for(spec, 4), SlidingWindowManager.tail_for(spec, 12)
+        (1, 2)
+        """
+        return self.tail_for(self.window_spec, num_tokens)
+
+    @staticmethod
+    def tail_for(spec: SlidingWindowSpec, num_tokens: int) -> int:
+        return min(spec.num_tail_blocks, num_tokens // spec.block_size)
+
+    def max_hit_tail_blocks(self) -> int:
+        return self.window_spec.num_tail_blocks
+
     def bridge_tail_blocks(self) -> int:
         # EAGLE's tail at F is [F/bs - need, F/bs + 1): it starts at the same block
         return self.window_spec.num_tail_blocks

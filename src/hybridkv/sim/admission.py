@@ -40,10 +40,18 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from hybridkv.errors import ConfigError
+from hybridkv.native import mypyc_attr
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from hybridkv.block import Block
     from hybridkv.cache import PrefixHit
+    from hybridkv.ids import BlockHash
     from hybridkv.sim.scheduler import SchedRequest
+
+_Probes = tuple[tuple["Mapping[BlockHash, Block]", "BlockHash"], ...]
+
 
 class Probe(Protocol):
     """What an order may ask the cache about a candidate (the scheduler provides it)."""
@@ -54,11 +62,17 @@ class Probe(Protocol):
     def may_extend(self, request: SchedRequest, num_tokens: int, matched_tokens: int) -> bool:
         """``KVCacheManager.may_extend``: False ⇒ no hit longer than ``num_tokens``."""
 
+    def growth_probes(self, request: SchedRequest, num_tokens: int, matched_tokens: int,
+                      ) -> tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...] | None:
+        """``KVCacheManager.growth_probes``: ``may_extend``'s dictionary probes, to repeat
+        later without a call (``None``: always true)."""
+
     @property
     def version(self) -> tuple[int, int]:
         """``KVCacheManager.lookup_version`` now."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests subclass it
 class AdmissionOrder(ABC):
     """Chooses the next admission among the candidates (never empty, first-come order)."""
 
@@ -78,6 +92,7 @@ class AdmissionOrder(ABC):
         """The request was admitted: drop per-request state; nothing by default."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests subclass it
 class FirstComeOrder(AdmissionOrder):
     """The first candidate (what the scheduler's fcfs path does, kept for completeness)."""
 
@@ -124,6 +139,9 @@ class RankedOrder(AdmissionOrder):
         """Request id → (lookup version, hit) of its last probe."""
         self._checked: dict[str, int] = {}
         """Request id → hashes ever indexed at its last probe or growth check."""
+        self._growth: dict[str, _Probes | None] = {}
+        """Request id → ``may_extend``'s probes for its cached hit (when the probe offers
+        them): the growth check repeated without a call into the manager."""
         self.num_probes = 0
 
     @abstractmethod
@@ -141,7 +159,17 @@ class RankedOrder(AdmissionOrder):
         self.num_probes += 1
         self._cached[request.req_id] = (version, hit)
         self._checked[request.req_id] = version[1]
+        growth_probes = getattr(probe, "growth_probes", None)
+        if growth_probes is not None:
+            self._growth[request.req_id] = growth_probes(request, hit.num_tokens,
+                                                         _matched_tokens(hit))
         return hit
+
+    def _may_extend(self, request: SchedRequest, hit: PrefixHit, probe: Probe) -> bool:
+        if request.req_id not in self._growth:
+            return probe.may_extend(request, hit.num_tokens, _matched_tokens(hit))
+        probes = self._growth[request.req_id]
+        return probes is None or any(block_hash in index for index, block_hash in probes)
 
     def _rank(self, candidates: Sequence[SchedRequest], probe: Probe,
               version: tuple[int, int]) -> list[tuple[float, int]]:
@@ -170,7 +198,7 @@ class RankedOrder(AdmissionOrder):
             if self.ceiling(request) <= best:
                 continue
             checked[request.req_id] = version[1]  # no re-check until more is indexed
-            if probe.may_extend(request, hit.num_tokens, _matched_tokens(hit)):
+            if self._may_extend(request, hit, probe):
                 scores[index] = self.score(request, self._probe(request, probe, version))
         return sorted((-score, i) for i, score in enumerate(scores))
 
@@ -200,6 +228,7 @@ class RankedOrder(AdmissionOrder):
     def forget(self, request: SchedRequest) -> None:
         self._cached.pop(request.req_id, None)
         self._checked.pop(request.req_id, None)
+        self._growth.pop(request.req_id, None)
 
 
 class LongestHitOrder(RankedOrder):

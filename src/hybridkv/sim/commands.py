@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -26,6 +27,7 @@ from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError, PoolTooSmallError
 from hybridkv.eviction import parse_eviction
 from hybridkv.managers.recurrent import parse_checkpoint_policy
+from hybridkv.observe import open_observers, parse_metrics_target
 from hybridkv.policies import CORE_POLICIES, make_retention_policy, split_policy_name
 from hybridkv.sim.admission import parse_admissions
 from hybridkv.sim.bound import offline_optimum
@@ -347,6 +349,8 @@ def _worker_init(parent_pid: int) -> None:
     (``PR_SET_PDEATHSIG`` on Linux, else a thread polling the parent's pid)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # a parent that starts its pool with both blocked (sweep_exec) hands them over now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     if not _set_parent_death_signal():
         threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     if os.getppid() != parent_pid:  # the parent died before the death signal was armed
@@ -518,6 +522,10 @@ def source_ceiling(source: Source, alignment_tokens: int) -> float:
 def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console) -> int:
     json_path = None if args.json is None else check_output_path("--json", args.json)
     plot_path = None if args.plot is None else check_output_path("--plot", args.plot, plot=True)
+    metrics = None if getattr(args, "metrics", None) is None else \
+        parse_metrics_target(args.metrics)
+    if isinstance(metrics, Path):
+        metrics = check_output_path("--metrics", metrics)
     source = resolve_source(args)
     shape = load_model(DEFAULT_MODEL if args.model is None else args.model)
     settings = resolve_settings(args, source)
@@ -531,23 +539,37 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
         make_retention_policy(split_policy_name(policy)[0]).validate(
             config.alignment_tokens, True)
     check_pool_holds_requests(source, config)
-    limits, runs = run_policies(source, config, policies, settings, jobs=jobs,
-                                show_progress=not args.quiet, admissions=admissions)
-    report = Report(source.name, shape.name, limits.ceiling, runs, {
-        **pool_summary(shape, config), "workload": source.describe(),
-        "max_running": settings.max_running,
-        "chunk_size": settings.chunk_size, "hash_algo": args.hash_algo, "eagle": args.eagle,
-    }, _max_rate([run.result.bound for run in runs]),
-        _max_rate([run.result.bound_fa for run in runs]))
-    render_table(report, console)
-    with StagedOutputs() as staged:
-        if json_path is not None:
-            staged.stage("--json", json_path, report.write_json)
-        if plot_path is not None:
-            staged.stage("--plot", plot_path, lambda tmp: plot_policies(
-                report, tmp, format=plot_path.suffix.lstrip(".").lower()))
-        staged.commit()
-    del err_console
+    observing = open_observers(
+        events=getattr(args, "events", None), events_replay=getattr(args, "events_replay", None),
+        metrics=metrics, model_name=shape.name, num_runs=len(policies) * len(admissions),
+        jobs=jobs)
+    try:
+        settings = replace(settings, observers=observing.observers)
+        limits, runs = run_policies(source, config, policies, settings, jobs=jobs,
+                                    show_progress=not args.quiet, admissions=admissions)
+        report = Report(source.name, shape.name, limits.ceiling, runs, {
+            **pool_summary(shape, config), "workload": source.describe(),
+            "max_running": settings.max_running,
+            "chunk_size": settings.chunk_size, "hash_algo": args.hash_algo,
+            "eagle": args.eagle,
+        }, _max_rate([run.result.bound for run in runs]),
+            _max_rate([run.result.bound_fa for run in runs]))
+        render_table(report, console)
+        with StagedOutputs() as staged:
+            if json_path is not None:
+                staged.stage("--json", json_path, report.write_json)
+            if plot_path is not None:
+                staged.stage("--plot", plot_path, lambda tmp: plot_policies(
+                    report, tmp, format=plot_path.suffix.lstrip(".").lower()))
+            if observing.metrics_path is not None:
+                staged.stage("--metrics", observing.metrics_path, observing.write_metrics)
+            staged.commit()
+        if getattr(args, "linger_seconds", 0.0) > 0:
+            err_console.print(f"serving the event replay / metrics for "
+                              f"{args.linger_seconds:g} s")
+            observing.linger(args.linger_seconds)
+    finally:
+        observing.close()
     return 0
 
 

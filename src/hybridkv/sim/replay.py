@@ -10,9 +10,9 @@ The result depends only on the inputs: no wall clock enters it except the timing
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import overload
+from typing import Protocol, overload
 
 from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
@@ -34,6 +34,19 @@ ProgressFn = Callable[[int, int], None]
 """Called as ``progress(num_finished, num_requests)`` after each step."""
 
 
+class ReplayObserver(Protocol):
+    """Watches one replay or engine run (KV events, metrics): ``attach`` before the first
+    request is added, ``on_step`` after every scheduler step, ``detach`` at the end with
+    the run's missed tokens by cause (``None`` where they are not tracked: the engine)."""
+
+    def attach(self, manager: KVCacheManager, scheduler: Scheduler, label: str) -> None: ...
+
+    def on_step(self, manager: KVCacheManager, scheduler: Scheduler) -> None: ...
+
+    def detach(self, manager: KVCacheManager, scheduler: Scheduler,
+               misses: Mapping[str, int] | None) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ReplaySettings:
     """Protocol knobs (``docs/replay-protocol.md``)."""
@@ -45,6 +58,8 @@ class ReplaySettings:
     check_invariants: bool = False
     admission: str = "fcfs"
     """Admission order (``sim.admission.ORDERS``); ``fcfs`` is the protocol."""
+    observers: tuple[ReplayObserver, ...] = ()
+    """Called around every replay (``hybridkv replay --events / --metrics``)."""
 
 
 @dataclass(slots=True)
@@ -335,6 +350,10 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
                           reserve_full_prompt=settings.reserve_full_prompt,
                           lookahead_requests=settings.lookahead_requests,
                           admission=settings.admission)
+    observers = settings.observers
+    for observer in observers:
+        observer.attach(manager, scheduler, policy if settings.admission == "fcfs"
+                        else f"{policy} [{settings.admission}]")
     sched_requests: list[SchedRequest] = []
     prompt_hasher = _PromptHasher(manager.hasher)
     for index, request in enumerate(trace.requests):
@@ -364,12 +383,16 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
             manager.check_invariants()
         if progress is not None:
             progress(num_finished, num_requests)
+        for observer in observers:
+            observer.on_step(manager, scheduler)
     result = _collect(policy, config, manager, scheduler, sched_requests, started)
     result.hash_seconds += prompt_hasher.seconds
     result.scheduler_seconds = scheduler.seconds
     result.misses = manager.misses
     result.misses_by_tag = manager.misses_by_tag
     result.log = manager.log
+    for observer in observers:
+        observer.detach(manager, scheduler, result.misses.as_dict())
     return result
 
 
@@ -379,8 +402,8 @@ def no_progress_error(trace: Trace, policy: str, config: CacheConfig, manager: K
     grow inside the whole pool) or nothing runs and the next request cannot be admitted
     into the empty pool; both mean the pool is too small for that request
     (``PoolTooSmallError``). Anything else would be a scheduler bug."""
-    blocked = (scheduler.requests[preempted[-1]] if preempted
-               else scheduler._next_eligible())  # the request admission refused
+    blocked = (scheduler.requests[preempted[-1]] if preempted  # the request admission refused
+               else scheduler.last_refused or scheduler._next_eligible())
     usable = config.num_blocks - 1
     if blocked is None or blocked.req_id not in manager.request_ids:
         return InvariantViolation(f"replay of {trace.name!r} under {policy!r} made no "

@@ -30,8 +30,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from hybridkv.cache import KVCacheManager, PrefixHit
+from hybridkv.block import Block
+from hybridkv.cache import Allocation, PrefixHit
 from hybridkv.errors import ConfigError, RequestError
 from hybridkv.ids import BlockHash
 from hybridkv.sim.admission import AdmissionOrder, StarvationGuard, make_admission_order
@@ -89,12 +91,37 @@ class StepPlan:
     admitted: tuple[str, ...]
 
 
+class SchedulableManager(Protocol):
+    """What the scheduler calls on its cache manager: ``KVCacheManager`` (or an adapter
+    over another engine's manager, e.g. ``bench/vllm_adapter.py``). A protocol rather than
+    the class, so that the compiled scheduler accepts any object with these methods."""
+
+    def new_step(self) -> None: ...
+    def add_request(self, req_id: str, prompt_token_ids: Sequence[int], *,
+                    session_id: str | None = None,
+                    block_hashes: Sequence[BlockHash] | None = None) -> None: ...
+    def find_longest_hit(self, req_id: str) -> PrefixHit: ...
+    def may_extend(self, req_id: str, num_tokens: int, matched_tokens: int = 0) -> bool: ...
+    @property
+    def lookup_version(self) -> tuple[int, int]: ...
+    def num_tokens(self, req_id: str) -> int: ...
+    def num_computed_tokens(self, req_id: str) -> int: ...
+    def align_prefill_chunk(self, req_id: str, num_new_tokens: int,
+                            hit: PrefixHit | None = None, *,
+                            max_chunk_tokens: int | None = None) -> int: ...
+    def allocate_slots(self, req_id: str, num_new_tokens: int, hit: PrefixHit | None = None,
+                       *, reserve_full_prompt: bool = False) -> Allocation | None: ...
+    def append_token_ids(self, req_id: str, token_ids: Sequence[int]) -> None: ...
+    def free(self, req_id: str) -> None: ...
+    def remove_request(self, req_id: str) -> None: ...
+
+
 class Scheduler:
     """Scheduler with chunked prefill, decode, preemption of the newest request, and an
     admission order (``admission``: a name from ``sim.admission.ORDERS`` or an
     ``AdmissionOrder``; default ``fcfs``)."""
 
-    def __init__(self, manager: KVCacheManager, *, max_running: int = 16,
+    def __init__(self, manager: SchedulableManager, *, max_running: int = 16,
                  chunk_size: int = 8192, reserve_full_prompt: bool = True,
                  lookahead_requests: int = 256,
                  admission: str | AdmissionOrder = "fcfs") -> None:
@@ -115,6 +142,8 @@ class Scheduler:
         self.running: list[SchedRequest] = []
         self.requests: dict[str, SchedRequest] = {}
         self.num_preemptions = 0
+        self.last_refused: SchedRequest | None = None
+        """The request whose admission this step refused (the pool could not take it)."""
         self.num_steps = 0
         self._active_session: dict[str, str] = {}
         self._unfinished_by_phase: dict[int, int] = {}
@@ -165,6 +194,7 @@ class Scheduler:
 
     def _schedule(self) -> StepPlan:
         self.num_steps += 1
+        self.last_refused = None
         if self._to_check:
             self._stamp_eligible()
         self.manager.new_step()
@@ -239,6 +269,15 @@ class Scheduler:
     def may_extend(self, request: SchedRequest, num_tokens: int, matched_tokens: int) -> bool:
         return self.manager.may_extend(request.req_id, num_tokens, matched_tokens)
 
+    def growth_probes(self, request: SchedRequest, num_tokens: int, matched_tokens: int,
+                      ) -> tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...] | None:
+        probes = getattr(self.manager, "growth_probes", None)
+        if probes is None:  # a manager without them (an adapter): always look again
+            return None
+        result: tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...] | None = probes(
+            request.req_id, num_tokens, matched_tokens)
+        return result
+
     @property
     def version(self) -> tuple[int, int]:
         return self.manager.lookup_version
@@ -266,6 +305,7 @@ class Scheduler:
         allocation = manager.allocate_slots(req_id, num_new, hit,
                                             reserve_full_prompt=self.reserve_full_prompt)
         if allocation is None:
+            self.last_refused = request
             return None
         self.waiting.remove(request)
         self.running.append(request)

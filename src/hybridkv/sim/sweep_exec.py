@@ -11,8 +11,10 @@ them through ``fork`` (never pickled); only cell indices go in and rows come bac
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -71,13 +73,36 @@ def run_processes(work: SweepWork, cells: Sequence[Cell], jobs: int, on_done: On
     _JOB = (work, cells)
     try:
         context = multiprocessing.get_context("fork")
-        with context.Pool(min(jobs, len(cells)) or 1, initializer=_worker_init,
-                          initargs=(os.getpid(),)) as pool:
-            order = dispatch_order(cells, work.costs())
-            for index, outcome in pool.imap_unordered(_compute_index, order):
-                on_done(cells[index], outcome)
+        with contextlib.ExitStack() as stack:
+            # Ctrl-C / SIGTERM wait while the workers start (each unblocks them once its
+            # handlers are set): a signal can then never find a half-started worker with
+            # the CLI's handler, nor a pool the with block does not own yet.
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            try:
+                pool = stack.enter_context(context.Pool(
+                    min(jobs, len(cells)) or 1, initializer=_worker_init,
+                    initargs=(os.getpid(),)))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            try:
+                order = dispatch_order(cells, work.costs())
+                for index, outcome in pool.imap_unordered(_compute_index, order):
+                    on_done(cells[index], outcome)
+            except BaseException:
+                _kill_workers(pool)
+                raise
     finally:
         _JOB = None
+
+
+def _kill_workers(pool: object) -> None:
+    """SIGKILL every live worker before ``Pool.__exit__`` terminates the pool: its
+    ``terminate`` joins the workers, and a SIGTERM that reached the parent while it was
+    still starting them could leave one it never signals (seen: the parent waiting forever
+    on an idle worker)."""
+    for process in getattr(pool, "_pool", ()):
+        if process.exitcode is None:
+            process.kill()
 
 
 __all__ = ["OnDone", "SweepWork", "run_processes", "run_serial"]

@@ -1,0 +1,241 @@
+"""One serving instance of a cluster replay: its own cache manager, pool and scheduler.
+
+An ``Instance`` is driven from outside in *epochs*: ``advance(arrivals, num_steps)`` queues
+the requests the router sent it (trace indices) and runs up to ``num_steps`` scheduler
+steps (fewer when it runs dry; an idle instance does nothing). It reports what a router
+could learn about it at the epoch's end — the KV events its manager emitted (the only
+window into its cache) and its load — plus, for the cluster report only, which requests
+finished and what they hit.
+
+Its result depends only on the sequence of ``advance`` calls, never on which process runs
+it, so serial, ``--jobs`` and ``--ray`` replays agree exactly.
+
+>>> from hybridkv.sim.model import load_model
+>>> from hybridkv.sim.trace import Trace, TraceRequest
+>>> trace = Trace("t", (TraceRequest("a", 40, 2, token_ids=tuple(range(40))),
+...                     TraceRequest("b", 40, 2, token_ids=tuple(range(40)))))
+>>> config = load_model("gemma3-bench").cache_config(64)
+>>> instance = Instance(0, trace, config, "latest", InstanceSettings())
+>>> report = instance.advance([0], 10)
+>>> report.finished, report.queued_tokens_by_step   # 1 prefill step + 1 decode step
+((Finished(trace_index=0, prompt_tokens=40, hit_tokens=0),), (0, 0))
+>>> instance.advance([1], 10).finished[0].hit_tokens  # 2 whole 16-token blocks cached
+32
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hybridkv.cache import KVCacheManager
+from hybridkv.config import CacheConfig
+from hybridkv.sim.replay import LazyPrompt, _PromptHasher, no_progress_error
+from hybridkv.sim.scheduler import SchedRequest, Scheduler
+from hybridkv.sim.trace import OUTPUT_TOKEN_BASE, Trace
+
+OUTPUT_IDS_PER_INSTANCE = 1 << 50
+"""Output-id range of each instance: instance ``i`` samples unique ids from
+``OUTPUT_TOKEN_BASE + i * 2**50`` (below ``2**62`` for up to 2,048 instances), so two
+instances never produce equal generated tokens by accident."""
+
+MAX_INSTANCES = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSettings:
+    """Scheduler knobs of every instance (the replay protocol's)."""
+
+    max_running: int = 16
+    chunk_size: int = 8192
+    lookahead_requests: int = 256
+    admission: str = "fcfs"
+    check_invariants: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A request that finished on an instance: its prompt and first-admission hit."""
+
+    trace_index: int
+    prompt_tokens: int
+    hit_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceReport:
+    """What one epoch of one instance produced.
+
+    ``events``: the epoch's KV events as vLLM 0.33 publishes them — msgpack-encoded
+    ``KVEventBatch`` payloads (``hybridkv.events.encode_batch``; ``ts`` = the instance's
+    epoch count, so the bytes are deterministic), one per epoch that emitted any, empty when
+    events are off; ``queued_tokens_by_step``: after each step run, the prompt tokens of its
+    requests not yet computed (a waiting request counts its whole prompt, a running one
+    what its prefill has left) — an idle instance runs no steps and has none queued.
+    """
+
+    instance: int
+    finished: tuple[Finished, ...]
+    queued_tokens_by_step: tuple[int, ...]
+    queued_tokens: int
+    num_requests: int
+    """Requests queued or running at the epoch's end."""
+    events: tuple[bytes, ...] = ()
+
+
+@dataclass(slots=True)
+class InstanceResult:
+    """Counters of one instance over the whole replay."""
+
+    instance: int
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    preemptions: int = 0
+    bridge_tokens: int = 0
+    evicted_blocks: int = 0
+    busy_steps: int = 0
+    manager_seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class Instance:
+    """A manager + scheduler pair replaying the requests routed to it."""
+
+    def __init__(self, index: int, trace: Trace, config: CacheConfig, policy: str,
+                 settings: InstanceSettings, *, events: bool = False) -> None:
+        if not 0 <= index < MAX_INSTANCES:
+            raise ValueError(f"instance index {index} outside [0, {MAX_INSTANCES})")
+        self.index = index
+        self.trace = trace
+        self.config = config
+        self.policy = policy
+        self.settings = settings
+        self.manager = make_manager(config, policy, events)
+        self.events = events
+        self.scheduler = Scheduler(self.manager, max_running=settings.max_running,
+                                   chunk_size=settings.chunk_size,
+                                   lookahead_requests=settings.lookahead_requests,
+                                   admission=settings.admission)
+        self._hasher = _PromptHasher(self.manager.hasher)
+        self._next_output = OUTPUT_TOKEN_BASE + index * OUTPUT_IDS_PER_INSTANCE
+        self._index_of: dict[str, int] = {}
+        self._fixed_outputs: dict[str, tuple[int, ...]] = {}
+        self.busy_steps = 0
+        self._epochs = 0
+
+    def advance(self, arrivals: Sequence[int], num_steps: int) -> InstanceReport:
+        """Queue ``arrivals`` (trace indices, in routing order) and run at most
+        ``num_steps`` steps."""
+        scheduler = self.scheduler
+        for index in arrivals:
+            request = self.trace.requests[index]
+            self._index_of[request.request_id] = index
+            if request.output_token_ids:
+                self._fixed_outputs[request.request_id] = request.output_token_ids
+            scheduler.add_request(SchedRequest(
+                request.request_id, LazyPrompt(request, index), max(1, request.output_length),
+                session_id=request.session_id, phase=request.phase, tag=request.tag,
+                hash_prompt=self._hasher.for_request(request)
+                if self.config.enable_caching else None))
+        finished: list[Finished] = []
+        queued: list[int] = []
+        for _ in range(num_steps):
+            if not scheduler.has_unfinished:
+                break
+            self._step(finished)
+            queued.append(self.queued_tokens())
+        events = self._take_events()
+        return InstanceReport(self.index, tuple(finished), tuple(queued),
+                              queued[-1] if queued else self.queued_tokens(),
+                              len(scheduler.waiting) + len(scheduler.running), events)
+
+    def _step(self, finished: list[Finished]) -> None:
+        scheduler = self.scheduler
+        plan = scheduler.schedule()
+        if not plan.chunks:
+            raise no_progress_error(self.trace, self.policy, self.config, self.manager,
+                                    scheduler, plan.preempted)
+        self.busy_steps += 1
+        sampled = {chunk.req_id: self._sample(scheduler.requests[chunk.req_id])
+                   for chunk in plan.chunks if chunk.samples}
+        for req_id in scheduler.update(plan, sampled):
+            request = scheduler.requests.pop(req_id)
+            self._fixed_outputs.pop(req_id, None)
+            finished.append(Finished(self._index_of.pop(req_id),
+                                     len(request.prompt_token_ids),
+                                     request.first_hit_tokens or 0))
+        if self.settings.check_invariants:
+            self.manager.check_invariants()
+
+    def _sample(self, request: SchedRequest) -> int:
+        fixed = self._fixed_outputs.get(request.req_id)
+        position = len(request.output_token_ids)
+        if fixed is not None and position < len(fixed):
+            return fixed[position]
+        token = self._next_output
+        self._next_output += 1
+        return token
+
+    def queued_tokens(self) -> int:
+        """Prompt tokens routed here and not yet computed (or loaded from the cache)."""
+        manager = self.manager
+        total = sum(len(r.prompt_token_ids) for r in self.scheduler.waiting)
+        for request in self.scheduler.running:
+            left = len(request.prompt_token_ids) - manager.num_computed_tokens(request.req_id)
+            total += max(0, left)
+        return total
+
+    def _take_events(self) -> tuple[bytes, ...]:
+        self._epochs += 1
+        if not self.events:
+            return ()
+        events = self.manager.take_events()
+        if not events:
+            return ()
+        from hybridkv.events import KVEventBatch, encode_batch
+
+        return (encode_batch(KVEventBatch(ts=float(self._epochs), events=events,
+                                          data_parallel_rank=0)),)
+
+    def result(self) -> InstanceResult:
+        stats = self.manager.stats
+        return InstanceResult(
+            self.index, requests=stats.requests, prompt_tokens=stats.queries,
+            hit_tokens=stats.hits, preemptions=self.scheduler.num_preemptions,
+            bridge_tokens=stats.bridge_tokens,
+            evicted_blocks=sum(stats.evicted_blocks_by_group), busy_steps=self.busy_steps,
+            manager_seconds=self.manager.manager_seconds)
+
+
+def make_manager(config: CacheConfig, policy: str, events: bool) -> KVCacheManager:
+    """The instance's manager (emitting KV events when ``events``)."""
+    if events:
+        return KVCacheManager(config, policy, enable_kv_cache_events=True)
+    return KVCacheManager(config, policy)
+
+
+class InstanceGroup:
+    """The instances one process (or Ray actor) runs, addressed by cluster index."""
+
+    def __init__(self, indices: Sequence[int], trace: Trace, config: CacheConfig,
+                 policy: str, settings: InstanceSettings, *, events: bool = False) -> None:
+        self.instances = {i: Instance(i, trace, config, policy, settings, events=events)
+                          for i in indices}
+
+    def advance(self, arrivals: dict[int, list[int]], num_steps: int,
+                ) -> list[InstanceReport]:
+        """One epoch of each instance of the group, in index order."""
+        return [instance.advance(arrivals.get(i, ()), num_steps)
+                for i, instance in sorted(self.instances.items())]
+
+    def results(self) -> list[InstanceResult]:
+        return [instance.result() for _, instance in sorted(self.instances.items())]
+
+
+__all__ = ["Finished", "Instance", "InstanceGroup", "InstanceReport", "InstanceResult",
+           "InstanceSettings", "make_manager"]

@@ -1,0 +1,189 @@
+"""Prefix-cache routers fed only by the instances' KV event streams.
+
+Each instance's stream (vLLM 0.33 ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``,
+``hybridkv.events``), received as the msgpack payloads vLLM's publisher sends, is decoded
+and applied to one ``ResidentReplica`` per instance: per cache group,
+the resident block hashes (with their cached copies) and — hybridkv's residency extension —
+the *landable* hit points of non-full groups. The router hashes each request's prompt with
+the deployment's hash settings (block size, algorithm: what llm-d's indexer is configured
+with too) and scores every instance:
+
+- ``prefix-fa`` (what llm-d's precise prefix-cache scorer and Dynamo's KV router do today
+  for hybrid models): the longest chain of the request's full-attention block hashes
+  resident on the instance (every full-attention-like group: ``full_attention``,
+  ``mla_attention``), capped at ``prompt - 1`` tokens. Window tails, recurrent checkpoints
+  and compressor state are ignored, so a prefix whose tail was evicted still scores.
+- ``prefix-residency``: the longest aligned ``p`` (multiple of the alignment, the lcm of
+  the block sizes the streams announced; at most ``prompt - 1``) such that the
+  full-attention chain reaches ``p`` *and* ``p``'s landing hash (the chained hash of
+  ``[0, p)``) is landable in every non-full group the streams have shown. A
+  full-attention match whose tail or checkpoint is gone is not a hit.
+
+**Score** (both): ``matched_tokens - load_weight * queued_tokens``; the highest wins, ties
+go to the least-loaded instance. With ``load_weight`` 1 the score is minus the prefill
+tokens the instance must compute before this request's first token (its backlog plus the
+request's own miss, up to a constant), so a prefix is followed only while it saves more
+work than the queue in front of it costs — the router keeps balancing (``docs/design.md``).
+It is a cost model, not a tuned constant; ``--load-weight 0`` routes on the match alone.
+
+The router never reads an instance's manager: everything above comes from the events and
+the load reports (a test feeds a router a stream and checks it against the manager).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from hybridkv.cluster.routers import Load, Route, Router, RouteRequest, least_loaded
+from hybridkv.config import CacheConfig
+from hybridkv.events.replica import ResidentReplica
+from hybridkv.events.schema import BlockStored, decode_batch, external_hash
+from hybridkv.hashing import BlockHasher
+from hybridkv.ids import BlockHash
+from hybridkv.sim.replay import LazyPrompt, _PromptHasher
+from hybridkv.sim.trace import Trace, expand_prompt
+
+FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+"""``kv_cache_spec_kind`` values whose hit needs every block of the prefix."""
+
+
+class GroupLayout:
+    """What the event streams announced about each cache group (the same model on every
+    instance): kind and block size, learned from ``BlockStored``."""
+
+    def __init__(self) -> None:
+        self.kind: dict[int, str] = {}
+        self.block_size: dict[int, int] = {}
+
+    def learn(self, event: object) -> None:
+        if isinstance(event, BlockStored) and event.group_idx is not None \
+                and event.group_idx not in self.kind:
+            self.kind[event.group_idx] = event.kv_cache_spec_kind or "unknown"
+            self.block_size[event.group_idx] = event.block_size
+
+    @property
+    def full_groups(self) -> list[int]:
+        return sorted(g for g, kind in self.kind.items() if kind in FULL_KINDS)
+
+    @property
+    def other_groups(self) -> list[int]:
+        return sorted(g for g, kind in self.kind.items() if kind not in FULL_KINDS)
+
+    @property
+    def alignment_tokens(self) -> int:
+        """lcm of the announced block sizes (1 before any event)."""
+        return math.lcm(*self.block_size.values()) if self.block_size else 1
+
+
+class PrefixRouter(Router):
+    """Event-fed prefix scorer (``residency`` selects the residency-aware match)."""
+
+    uses_events = True
+
+    def __init__(self, num_instances: int, trace: Trace, hasher: BlockHasher, *,
+                 residency: bool, load_weight: float = 1.0) -> None:
+        super().__init__(num_instances)
+        self.name = "prefix-residency" if residency else "prefix-fa"
+        self.residency = residency
+        self.load_weight = load_weight
+        self.trace = trace
+        self.hasher = hasher
+        self.replicas = [ResidentReplica() for _ in range(num_instances)]
+        self.layout = GroupLayout()
+        self._prompt_hasher = _PromptHasher(hasher)
+
+
+    def observe(self, instance: int, payloads: Sequence[bytes]) -> None:
+        """Decode the instance's published batches (vLLM 0.33 msgpack) and apply them."""
+        replica = self.replicas[instance]
+        for payload in payloads:
+            for event in decode_batch(payload).events:
+                self.layout.learn(event)
+                replica.apply(event)
+
+    def prompt_hashes(self, trace_index: int) -> list[BlockHash]:
+        """The request's chained hashes at the hash block size (the instances' own)."""
+        request = self.trace.requests[trace_index]
+        prompt = LazyPrompt(request, trace_index)
+        hashes = None if self.hasher.lookahead_tokens else \
+            self._prompt_hasher.hashes(request, prompt)
+        if hashes is None:
+            return self.hasher.hash_blocks(expand_prompt(request, trace_index))
+        return hashes
+
+    def route(self, request: RouteRequest, loads: Sequence[Load]) -> Route:
+        if not self.layout.full_groups:  # nothing cached anywhere yet
+            return Route(least_loaded(loads))
+        external = [external_hash(h) for h in self.prompt_hashes(request.trace_index)]
+        matches = [self.match(i, external, request.prompt_tokens)
+                   for i in range(self.num_instances)]
+        weight = self.load_weight
+        best = min(range(self.num_instances), key=lambda i: (
+            -(matches[i] - weight * loads[i].queued_tokens), loads[i].queued_tokens,
+            loads[i].num_requests, i))
+        return Route(best, matches[best])
+
+    def match(self, instance: int, external: Sequence[int], prompt_tokens: int) -> int:
+        """Tokens the router expects instance ``instance`` to hit for a prompt of
+        ``prompt_tokens`` tokens whose chained hashes (external form, one per hash
+        block) are ``external``."""
+        hb = self.hasher.block_size
+        replica = self.replicas[instance]
+        limit = prompt_tokens - 1
+        if not self.layout.full_groups:  # no stream has announced a group yet
+            return 0
+        for group in self.layout.full_groups:
+            limit = min(limit, _chain_tokens(replica.resident.get(group, {}), external,
+                                             self.layout.block_size[group] // hb, hb))
+            if limit <= 0:
+                return 0
+        if not self.residency:
+            full_block = min(self.layout.block_size[g] for g in self.layout.full_groups)
+            return limit // full_block * full_block
+        return self._landable(replica, external, limit)
+
+    def _landable(self, replica: ResidentReplica, external: Sequence[int], limit: int) -> int:
+        """The largest aligned ``p <= limit`` landable in every non-full group."""
+        hb = self.hasher.block_size
+        alignment = self.layout.alignment_tokens
+        others = self.layout.other_groups
+        if not others:
+            return limit // alignment * alignment
+        sets = sorted((replica.landable.get(g, set()) for g in others), key=len)
+        step = alignment // hb
+        top = limit // alignment
+        if top == 0 or not sets[0]:
+            return 0
+        for k in range(top, 0, -1):  # the smallest set first: most candidates fail there
+            key = external[k * step - 1]
+            if all(key in s for s in sets):
+                return k * alignment
+        return 0
+
+
+def _chain_tokens(resident: dict[int | bytes, int], external: Sequence[int], ratio: int,
+                  hb: int) -> int:
+    """Tokens covered by the leading run of the chain's group blocks resident (a group
+    block ``i`` is named by the chained hash ``external[(i + 1) * ratio - 1]``).
+
+    >>> _chain_tokens({11: 1, 12: 1}, [10, 11, 12, 13], ratio=2, hb=4)
+    8
+    """
+    count = 0
+    for position in range(ratio - 1, len(external), ratio):
+        if external[position] not in resident:
+            break
+        count += 1
+    return count * ratio * hb
+
+
+def make_prefix_router(num_instances: int, config: CacheConfig, trace: Trace, *,
+                       residency: bool, load_weight: float) -> PrefixRouter:
+    hasher = BlockHasher(config.hash_block_size, config.hash_algo,
+                         config.hash_lookahead_tokens)
+    return PrefixRouter(num_instances, trace, hasher, residency=residency,
+                        load_weight=load_weight)
+
+
+__all__ = ["FULL_KINDS", "GroupLayout", "PrefixRouter", "make_prefix_router"]

@@ -1,0 +1,107 @@
+"""Cluster report: the router table (rich), the JSON document and the plot."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from hybridkv.cluster.simulate import ClusterRun
+
+CLUSTER_HELP = """\
+Columns: hit = cluster prefix-hit rate (first-admission hit tokens / prompt tokens, all
+instances); per-instance = each instance's own hit rate; imbalance = sum over steps of the
+largest instance backlog / sum over steps of the mean backlog, where an instance's backlog
+is the prompt tokens routed to it and not yet computed or loaded from its cache (1.00 =
+every instance always equally loaded, N = one instance holds all of it); backlog = mean
+backlog per instance (tokens); steps = global steps until the last request finished;
+phantom = prompt tokens a prefix router expected to hit where it routed that did not hit
+(its index said resident, the instance could not use it)."""
+
+
+@dataclass(slots=True)
+class ClusterReport:
+    trace: str
+    model: str
+    policy: str
+    runs: list[ClusterRun]
+    settings: dict[str, object] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, object]:
+        return {"trace": self.trace, "model": self.model, "policy": self.policy,
+                "settings": self.settings, "runs": [run.to_json() for run in self.runs]}
+
+    def write_json(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.2f}%"
+
+
+def render_cluster_table(report: ClusterReport, console: Console) -> None:
+    """One row per router; the best cluster hit rate is starred."""
+    n = int(str(report.settings.get("instances", 0)) or 0)
+    table = Table(title=f"{report.trace} on {report.model}, {n} instances, policy "
+                  f"{report.policy}")
+    for name, justify in (("router", "left"), ("hit", "right"), ("per-instance", "left"),
+                          ("imbalance", "right"), ("backlog", "right"),
+                          ("preempt", "right"), ("steps", "right"), ("phantom", "right"),
+                          ("wall s", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    best = max((run.hit_rate for run in report.runs), default=0.0)
+    for run in report.runs:
+        star = "*" if run.hit_rate == best and len(report.runs) > 1 else ""
+        table.add_row(run.router + star, _pct(run.hit_rate),
+                      " ".join(f"{100 * r.hit_rate:.1f}" for r in run.instances),
+                      f"{run.load_imbalance:.2f}", f"{run.mean_backlog_tokens:,.0f}",
+                      f"{run.preemptions:,}", f"{run.steps:,}",
+                      f"{run.phantom_hit_tokens:,}", f"{run.seconds:.1f}")
+    console.print(table)
+    settings = report.settings
+    console.print(f"pool {settings.get('num_blocks', '?'):,} blocks per instance; "
+                  f"{settings.get('workload', report.trace)}; * = best cluster hit rate")
+
+
+def plot_cluster(report: ClusterReport, path: Path, *, format: str = "png") -> None:
+    """Two panels: cluster (bar) and per-instance (dots) hit rate by router; load imbalance
+    by router."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [run.router for run in report.runs]
+    positions = range(len(names))
+    figure, (hits, balance) = plt.subplots(1, 2, figsize=(11, 4.2))
+    hits.bar(positions, [100 * run.hit_rate for run in report.runs], color="#4C72B0",
+             label="cluster")
+    for x, run in zip(positions, report.runs, strict=True):
+        hits.scatter([x] * len(run.instances), [100 * r.hit_rate for r in run.instances],
+                     color="black", s=10, zorder=3,
+                     label="per instance" if x == 0 else None)
+    hits.set_ylabel("prefix-hit rate (%)")
+    hits.set_title("hit rate")
+    hits.legend(loc="best", fontsize=8)
+    balance.bar(positions, [run.load_imbalance for run in report.runs], color="#DD8452")
+    balance.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    balance.set_ylabel("max / mean queued prompt tokens (over time)")
+    balance.set_title("load imbalance (lower is better)")
+    for axis in (hits, balance):
+        axis.set_xticks(list(positions))
+        axis.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
+    instances = report.settings.get("instances", "?")
+    figure.suptitle(f"{report.trace} on {report.model}: {instances} instances, "
+                    f"{report.settings.get('num_blocks', '?')} blocks each, "
+                    f"policy {report.policy}", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, format=format)
+    plt.close(figure)
+
+
+__all__: Sequence[str] = ("CLUSTER_HELP", "ClusterReport", "plot_cluster",
+                          "render_cluster_table")

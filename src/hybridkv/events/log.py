@@ -1,0 +1,376 @@
+"""EventLog: turns the pool's raw hash-index changes into vLLM-format KV events.
+
+The pool appends one tuple per index change to ``records`` (only while events are on:
+``BlockPool.event_records``): ``(STORED, group, hash)`` when a block is cached,
+``(REMOVED, group, hash)`` when a cached copy loses its hash (eviction on reuse,
+``evict_prefix``). ``KVCacheManager`` calls ``flush(request)`` right after a request's
+blocks are cached (every store comes from that request's chain, which gives each block its
+position, tokens and parent) and ``take_events`` drains the resolved events.
+
+Event shapes (vLLM 0.33's ``BlockPool``):
+
+- one ``BlockStored`` per group per contiguous run of newly cached table positions:
+  ``block_hashes`` of the run, ``parent_block_hash`` = the chain hash of the block before
+  it (``None`` at position 0), ``token_ids`` = exactly the run's tokens, the group's
+  ``block_size``, ``group_idx``, ``kv_cache_spec_kind`` / ``_sliding_window``, ``session_id``,
+  ``extra_keys`` (one entry per block), ``lookahead_token_ids`` under EAGLE hashes;
+- one ``BlockRemoved`` per removed copy (a hash cached twice is stored and removed twice);
+- ``AllBlocksCleared`` for ``reset_prefix_cache``.
+
+Residency (``landing_hashes``). For a non-full group, a hit at an aligned ``p`` needs the
+``k = manager.hit_tail_blocks(p)`` blocks ending at ``p`` (window tails, the recurrent
+checkpoint at ``p``, compressor state). The log keeps, per group, the resident hashes (with
+their number of copies) and the set of *landable* ``p`` — each named by the chained hash of
+``[0, p)``, which is also the hash of the group's block ending at ``p`` — and reports each
+change on the event that caused it. It tracks, per resident block, how many resident
+blocks in a row end at it along its chain (capped at the largest tail): ``p`` is landable
+when that run reaches ``k``; a store or removal updates the runs of the resident blocks
+after it on its chains (usually none: runs are stored in order and freed tail first).
+Worked example (bs 4, window 8 → 2 tail blocks, alignment 4): storing blocks 0–2 of a
+chain ``h0 h1 h2`` in one run lands ``p = 4``
+(``k = 1``: a run from block 0 suffices), ``8`` (blocks 0–1) and ``12`` (blocks 1–2):
+``landing_hashes = [h0, h1, h2]``; removing block 1 then reports ``[h1, h2]`` (8 and 12
+need it), and 4 stays landable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from hybridkv.errors import InvariantViolation
+from hybridkv.events.schema import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    external_hash,
+)
+from hybridkv.hashing import ExtraKeys
+from hybridkv.ids import BlockHash
+
+STORED = 0
+REMOVED = 1
+
+RawRecord = tuple[int, int, BlockHash]
+"""``(STORED | REMOVED, group id, block hash)`` as the pool appends it."""
+
+VLLM_KIND_OF: dict[str, str] = {
+    "full_attention": "full_attention",
+    "sliding_window": "sliding_window",
+    "padded_window": "sliding_window",
+    "chunked_local": "chunked_local_attention",
+    "recurrent_state": "mamba",
+    "compressed_attention": "mla_attention",
+    "sliding_window_mla": "sliding_window_mla",
+    "compressor_state": "sliding_window_mla",
+    "ring_buffer": "unknown",
+}
+"""hybridkv spec kind → vLLM 0.33 ``KVCacheSpecKind`` value of the spec vLLM uses for it
+(DeepSeek-V4's compressed KV is an ``MLAAttentionSpec``, its compressor state a
+``SlidingWindowMLASpec``, Mamba / GDN state a ``MambaSpec``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupEventInfo:
+    """Static facts about one cache group that its events carry."""
+
+    group_id: int
+    block_size: int
+    hash_ratio: int
+    """``block_size // hash_block_size``: the group's block ``i`` has chain hash
+    ``hashes[(i + 1) * hash_ratio - 1]``."""
+    kind: str
+    """vLLM ``kv_cache_spec_kind``."""
+    sliding_window: int | None
+    tail_blocks: Callable[[int], int | None]
+    """``GroupManager.hit_tail_blocks``: blocks ending at ``p`` a hit there needs
+    (``None``: every block from 0, a full-attention kind)."""
+    max_tail_blocks: int
+    capped_prefix_rule: bool = False
+    """``tail_blocks(p) == min(max_tail_blocks, p // block_size)`` at every aligned ``p``
+    (windows, recurrent checkpoints): the log then skips the call."""
+
+    def need_at(self, position: int) -> int | None:
+        """Tail blocks a hit at the end of table position ``position`` needs."""
+        if self.capped_prefix_rule:
+            return min(self.max_tail_blocks, position + 1)
+        return self.tail_blocks((position + 1) * self.block_size)
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """What a stored block's event needs from the request that cached it."""
+
+    req_id: str
+    block_hashes: Sequence[BlockHash]
+    token_ids: Sequence[int]
+    extra_keys: ExtraKeys | None
+    session_id: str | None
+
+
+class EventLog:
+    """Resolves raw pool records into events and tracks residency (see module doc).
+
+    Invariants (``check_invariants``): every resident count is positive; every landable
+    point's tail hashes are all resident.
+    """
+
+    def __init__(self, groups: Sequence[GroupEventInfo], hash_block_size: int,
+                 alignment_tokens: int, lookahead_tokens: int = 0,
+                 medium: str = MEDIUM_GPU) -> None:
+        self.records: list[RawRecord] = []
+        self.groups = list(groups)
+        self.hash_block_size = hash_block_size
+        self.alignment_tokens = alignment_tokens
+        self.lookahead_tokens = lookahead_tokens
+        self.medium = medium
+        self._events: list[KVEvent] = []
+        self._positions: dict[str, tuple[dict[BlockHash, int], list[int]]] = {}
+        num_groups = len(self.groups)
+        self.resident: list[dict[int, int]] = [{} for _ in range(num_groups)]
+        """Per group: external hash → cached copies (what the events say is cached)."""
+        self.landable: list[set[int]] = [set() for _ in range(num_groups)]
+        """Per non-full group: keys of blocks ending at a point where a hit can land."""
+        self._run: list[dict[int, int]] = [{} for _ in range(num_groups)]
+        """Per non-full group: resident key → resident blocks in a row ending at it along
+        its chain (capped at the largest tail)."""
+        self._node: list[dict[int, tuple[int, int | None]]] = [{} for _ in range(num_groups)]
+        """Per non-full group: resident key → (table position, chain predecessor key)."""
+        self._children: list[dict[int, set[int]]] = [{} for _ in range(num_groups)]
+        """Per non-full group: key → resident keys whose predecessor it is."""
+
+    # ------------------------------------------------------------------ intake
+    def clear(self) -> None:
+        """``reset_prefix_cache``: one ``AllBlocksCleared`` after what came before."""
+        self.flush(None)
+        self._events.append(AllBlocksCleared())
+        for per_group in (self.resident, self.landable, self._run, self._node, self._children):
+            for entry in per_group:
+                entry.clear()
+
+    def forget(self, req_id: str) -> None:
+        """The request left: drop its hash → position index."""
+        self._positions.pop(req_id, None)
+
+    def flush(self, request: RequestContext | None) -> None:
+        """Resolve the pending records, in order; stores need ``request``."""
+        records = self.records
+        if not records:
+            return
+        run: list[int] = []  # consecutive table positions stored in one group
+        run_group = -1
+        for op, group_id, block_hash in records:
+            if op == REMOVED:
+                self._emit_run(run_group, run, request)
+                run, run_group = [], -1
+                self._remove(group_id, block_hash)
+                continue
+            if request is None:
+                raise InvariantViolation("a block was cached outside a request's caching step")
+            position = self._block_position(request, group_id, block_hash)
+            if group_id != run_group or position != run[-1] + 1:
+                self._emit_run(run_group, run, request)
+                run, run_group = [], group_id
+            run.append(position)
+        self._emit_run(run_group, run, request)
+        records.clear()
+
+    def take_events(self) -> list[KVEvent]:
+        """Every event since the last call, in order; the log keeps none of them."""
+        self.flush(None)
+        events, self._events = self._events, []
+        return events
+
+    # --------------------------------------------------------------- resolving
+    def _indexed(self, request: RequestContext) -> tuple[dict[BlockHash, int], list[int]]:
+        """The request's hash → chain position index and external chain, extended to its
+        current hashes (kept until ``forget``)."""
+        entry = self._positions.get(request.req_id)
+        if entry is None:
+            entry = self._positions[request.req_id] = ({}, [])
+        index, chain = entry
+        hashes = request.block_hashes
+        for k in range(len(chain), len(hashes)):
+            index[hashes[k]] = k
+            chain.append(external_hash(hashes[k]))
+        return entry
+
+    def _external_chain(self, request: RequestContext) -> list[int]:
+        return self._indexed(request)[1]
+
+    def _block_position(self, request: RequestContext, group_id: int,
+                        block_hash: BlockHash) -> int:
+        found = self._indexed(request)[0].get(block_hash)
+        ratio = self.groups[group_id].hash_ratio
+        if found is None or (found + 1) % ratio:
+            raise InvariantViolation(f"group {group_id} cached a hash that is not a block "
+                                     f"end of request {request.req_id!r}")
+        return (found + 1) // ratio - 1
+
+    def _emit_run(self, group_id: int, run: list[int],
+                  request: RequestContext | None) -> None:
+        if not run or request is None:
+            return
+        info = self.groups[group_id]
+        bs, ratio = info.block_size, info.hash_ratio
+        chain = self._external_chain(request)
+        first, last = run[0], run[-1]
+        keys = [chain[(i + 1) * ratio - 1] for i in range(first, last + 1)]
+        landings: list[int] = []
+        parent = None if first == 0 else chain[first * ratio - 1]
+        for position, key in zip(range(first, last + 1), keys, strict=True):
+            self._store(info, position, key, parent, landings)
+            parent = key
+        tokens = request.token_ids
+        lookahead = self.lookahead_tokens
+        extra = request.extra_keys
+        self._events.append(BlockStored(
+            block_hashes=list(keys),
+            parent_block_hash=None if first == 0 else chain[first * ratio - 1],
+            token_ids=list(tokens[first * bs : (last + 1) * bs]),
+            block_size=bs,
+            lora_id=None,
+            medium=self.medium,
+            lora_name=None if extra is None else extra.lora_name,
+            extra_keys=[_event_extra_keys(extra, i * bs, (i + 1) * bs + lookahead)
+                        for i in range(first, last + 1)],
+            group_idx=group_id,
+            kv_cache_spec_kind=info.kind,
+            kv_cache_spec_sliding_window=info.sliding_window,
+            session_id=request.session_id,
+            lookahead_token_ids=[list(tokens[(i + 1) * bs : (i + 1) * bs + lookahead])
+                                 for i in range(first, last + 1)] if lookahead else None,
+            landing_hashes=landings or None,
+        ))
+
+    # --------------------------------------------------------------- residency
+    def _store(self, info: GroupEventInfo, position: int, key: int, parent: int | None,
+               added: list[int]) -> None:
+        """Count one more copy of ``key`` (the group's block at ``position``, whose chain
+        predecessor is ``parent``); append the points it made landable to ``added``."""
+        group_id = info.group_id
+        resident = self.resident[group_id]
+        copies = resident.get(key, 0)
+        resident[key] = copies + 1
+        if copies or info.max_tail_blocks == 0:
+            return
+        self._node[group_id][key] = (position, parent)
+        runs = self._run[group_id]
+        run = 1
+        if parent is not None:
+            self._children[group_id].setdefault(parent, set()).add(key)
+            run = min(info.max_tail_blocks, 1 + runs.get(parent, 0))
+        if key in self._children[group_id]:  # resident blocks after it: carry the run down
+            self._propagate(info, key, run, added)
+            return
+        runs[key] = run  # the common case: the newest block of its chain
+        if (position + 1) * info.block_size % self.alignment_tokens == 0:
+            need = info.need_at(position)
+            if need and run >= need:
+                self.landable[group_id].add(key)
+                added.append(key)
+
+    def _propagate(self, info: GroupEventInfo, key: int, run: int, changed: list[int]) -> None:
+        """Set the resident-run length ending at ``key`` (capped at the largest tail) and
+        carry the change down to resident descendants; record landability flips."""
+        group_id = info.group_id
+        runs, nodes = self._run[group_id], self._node[group_id]
+        children, landable = self._children[group_id], self.landable[group_id]
+        cap = info.max_tail_blocks
+        stack = [(key, run)]
+        while stack:
+            node, value = stack.pop()
+            if runs.get(node) == value:
+                continue
+            runs[node] = value
+            position = nodes[node][0]
+            if (position + 1) * info.block_size % self.alignment_tokens == 0:
+                need = info.need_at(position)
+                if need:
+                    if value >= need and node not in landable:
+                        landable.add(node)
+                        changed.append(node)
+                    elif value < need and node in landable:
+                        landable.discard(node)
+                        changed.append(node)
+            for child in children.get(node, ()):
+                stack.append((child, min(cap, value + 1)))
+
+    def _remove(self, group_id: int, block_hash: BlockHash) -> None:
+        key = external_hash(block_hash)
+        resident = self.resident[group_id]
+        copies = resident.get(key, 0)
+        if copies == 0:
+            raise InvariantViolation(f"group {group_id}: removal of a hash never stored")
+        lost: list[int] = []
+        if copies == 1:
+            del resident[key]
+            if key in self._run[group_id]:
+                self._unlink(self.groups[group_id], key, lost)
+        else:
+            resident[key] = copies - 1
+        self._events.append(BlockRemoved(block_hashes=[key], medium=self.medium,
+                                         group_idx=group_id, landing_hashes=lost or None))
+
+    def _unlink(self, info: GroupEventInfo, key: int, lost: list[int]) -> None:
+        """The last copy of ``key`` left: its point and those whose tail ran through it
+        (resident descendants within the largest tail) may stop being landable."""
+        group_id = info.group_id
+        del self._run[group_id][key]
+        _, parent = self._node[group_id].pop(key)
+        children = self._children[group_id]
+        if parent is not None:
+            siblings = children.get(parent)
+            if siblings is not None:
+                siblings.discard(key)
+                if not siblings:
+                    del children[parent]
+        landable = self.landable[group_id]
+        if key in landable:
+            landable.discard(key)
+            lost.append(key)
+        for child in list(children.get(key, ())):
+            self._propagate(info, child, 1, lost)
+
+    def check_invariants(self) -> None:
+        for group_id, resident in enumerate(self.resident):
+            if any(copies <= 0 for copies in resident.values()):
+                raise InvariantViolation(f"group {group_id}: a non-positive copy count")
+            runs = self._run[group_id]
+            if not self.landable[group_id] <= runs.keys() <= resident.keys():
+                raise InvariantViolation(f"group {group_id}: landable or run entries of "
+                                         "blocks that are not resident")
+            for key, run in runs.items():
+                parent = self._node[group_id][key][1]
+                expected = 1 if parent not in runs else min(
+                    self.groups[group_id].max_tail_blocks, runs[parent] + 1)
+                if run != expected:
+                    raise InvariantViolation(f"group {group_id}: run {run} != {expected}")
+
+
+def _event_extra_keys(keys: ExtraKeys | None, start: int, end: int,
+                      ) -> tuple[object, ...] | None:
+    """vLLM's untagged per-block extra keys: LoRA name, ``(mm id, offset)`` pairs, cache
+    salt (block 0 only); ``None`` when the block has none.
+
+    >>> from hybridkv.hashing import MultiModalFeature
+    >>> keys = ExtraKeys(lora_name="a", cache_salt="s",
+    ...                  mm_features=(MultiModalFeature("img", 2, 4),))
+    >>> _event_extra_keys(keys, 0, 4), _event_extra_keys(keys, 4, 8)
+    (('a', ('img', 2), 's'), ('a', ('img', -2)))
+    >>> _event_extra_keys(None, 0, 4) is None
+    True
+    """
+    if keys is None or keys.is_empty:
+        return None
+    parts: list[object] = []
+    if keys.lora_name is not None:
+        parts.append(keys.lora_name)
+    for feature in keys.mm_features:
+        if feature.start < end and feature.start + feature.num_tokens > start:
+            parts.append((feature.identifier, feature.start - start))
+    if keys.cache_salt is not None and start == 0:
+        parts.append(keys.cache_salt)
+    return tuple(parts) or None

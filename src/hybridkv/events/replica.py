@@ -1,0 +1,66 @@
+"""ResidentReplica: what a consumer learns from the event stream alone.
+
+Applies decoded events in order and keeps, per group, the resident hashes (external form,
+with their number of cached copies) and the landable hit points of non-full groups
+(``landing_hashes``). A router holds one per instance; the property test checks that it
+equals the manager's own index after every step.
+
+>>> from hybridkv.events.schema import BlockRemoved, BlockStored
+>>> replica = ResidentReplica()
+>>> replica.apply(BlockStored(block_hashes=[7, 8], parent_block_hash=None, token_ids=[],
+...     block_size=4, lora_id=None, medium="GPU", lora_name=None, group_idx=1,
+...     landing_hashes=[8]))
+>>> replica.apply(BlockRemoved(block_hashes=[7], medium="GPU", group_idx=1))
+>>> replica.resident[1], replica.landable[1]
+({8: 1}, {8})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hybridkv.errors import InvariantViolation
+from hybridkv.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+
+class ResidentReplica:
+    """Per group: external hash → cached copies, and the landable points."""
+
+    def __init__(self) -> None:
+        self.resident: dict[int, dict[int | bytes, int]] = {}
+        self.landable: dict[int, set[int]] = {}
+        self.kinds: dict[int, str] = {}
+        """group → ``kv_cache_spec_kind`` as learned from its ``BlockStored`` events."""
+
+    def apply_all(self, events: Iterable[KVEvent]) -> None:
+        for event in events:
+            self.apply(event)
+
+    def apply(self, event: KVEvent) -> None:
+        """Apply one event. Raises ``InvariantViolation`` on a removal of a hash the
+        stream never stored (a gap in the stream)."""
+        if isinstance(event, AllBlocksCleared):
+            self.resident.clear()
+            self.landable.clear()
+            return
+        group = -1 if event.group_idx is None else event.group_idx
+        resident = self.resident.setdefault(group, {})
+        landable = self.landable.setdefault(group, set())
+        if isinstance(event, BlockStored):
+            if event.kv_cache_spec_kind is not None:
+                self.kinds[group] = event.kv_cache_spec_kind
+            for block_hash in event.block_hashes:
+                resident[block_hash] = resident.get(block_hash, 0) + 1
+            landable.update(event.landing_hashes or ())
+            return
+        assert isinstance(event, BlockRemoved)
+        for block_hash in event.block_hashes:
+            copies = resident.get(block_hash, 0)
+            if copies == 0:
+                raise InvariantViolation(f"group {group}: BlockRemoved of {block_hash!r}, "
+                                         "which the stream never stored")
+            if copies == 1:
+                del resident[block_hash]
+            else:
+                resident[block_hash] = copies - 1
+        landable.difference_update(event.landing_hashes or ())

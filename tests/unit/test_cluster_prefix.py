@@ -1,0 +1,137 @@
+"""Event-fed prefix routers: they see only the KV event streams, and the residency-aware
+one knows what the full-attention-only one cannot (window tails, checkpoints)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.cluster.command import run_router
+from hybridkv.cluster.instance import Instance, InstanceSettings
+from hybridkv.cluster.prefix import PrefixRouter, make_prefix_router
+from hybridkv.cluster.routers import Load, Route, RouteRequest
+from hybridkv.cluster.simulate import ClusterSettings, run_cluster, serial_backend
+from hybridkv.config import CacheConfig
+from hybridkv.events.schema import external_hash
+from hybridkv.sim.model import load_model
+from hybridkv.sim.trace import Trace, TraceRequest
+from hybridkv.sim.workloads import make_workload
+from hybridkv.specs import FullAttentionSpec, SlidingWindowSpec
+
+
+def _tiny(num_blocks: int = 200) -> CacheConfig:
+    """Full attention + a window of 8 tokens, blocks of 4: a hit at p needs the 2 window
+    blocks ending at p."""
+    full = FullAttentionSpec(block_size=4, kv_bytes_per_token=64)
+    swa = SlidingWindowSpec(block_size=4, kv_bytes_per_token=64, sliding_window=8)
+    return CacheConfig.from_layers([full, swa], num_blocks=num_blocks)
+
+
+P = tuple(range(100, 133))  # 33 tokens
+
+
+def _tail_trace() -> Trace:
+    """r0 (P, 33 tokens) and r1 (P[:16] + 1 token) run first; r2 shares P's first 16
+    tokens. Under ``latest`` r0 keeps its window tail at 32 only, r1 keeps the one at 16."""
+    return Trace("tail", (
+        TraceRequest("r0", 33, 1, token_ids=P),
+        TraceRequest("r1", 17, 1, token_ids=(*P[:16], 7)),
+        TraceRequest("r2", 40, 1, token_ids=(*P[:16], *range(900, 924)), phase=1),
+    ))
+
+
+def _settings(n: int = 2) -> ClusterSettings:
+    return ClusterSettings(num_instances=n, instance=InstanceSettings(max_running=4))
+
+
+def test_fa_index_routes_to_a_gone_tail_the_residency_index_does_not() -> None:
+    trace, config = _tail_trace(), _tiny()
+    runs = {name: run_router(name, trace, config, "latest", _settings())
+            for name in ("prefix-fa", "prefix-residency")}
+    fa, residency = runs["prefix-fa"], runs["prefix-residency"]
+    # r0 → instance 0, r1 → instance 1 (nothing cached yet: least loaded); then r2:
+    assert fa.routed_by_instance == [2, 1]          # FA chain of 16 on both: the tie → 0
+    assert residency.routed_by_instance == [1, 2]   # the tail at 16 lives on instance 1
+    assert fa.hit_tokens == 0 and fa.phantom_hit_tokens == 16
+    assert residency.hit_tokens == 16 and residency.phantom_hit_tokens == 0
+    assert residency.hit_rate > fa.hit_rate
+
+
+def test_router_sees_only_events() -> None:
+    """Fed nothing, the prefix router knows nothing; fed instance 1's stream, it finds the
+    landable tail there, computed from the events alone."""
+    trace, config = _tail_trace(), _tiny()
+    instances = [Instance(i, trace, config, "latest", InstanceSettings(), events=True)
+                 for i in range(2)]
+    reports = [instances[0].advance([0], 5), instances[1].advance([1], 5)]
+    router = make_prefix_router(2, config, trace, residency=True, load_weight=1.0)
+    external = [external_hash(h) for h in router.prompt_hashes(2)]
+    assert [router.match(i, external, 40) for i in range(2)] == [0, 0]
+    for report in reports:
+        assert report.events, "an instance with events on reports them"
+        router.observe(report.instance, report.events)
+    assert [router.match(i, external, 40) for i in range(2)] == [0, 16]
+    fa = make_prefix_router(2, config, trace, residency=False, load_weight=1.0)
+    for report in reports:
+        fa.observe(report.instance, report.events)
+    assert [fa.match(i, external, 40) for i in range(2)] == [16, 16]
+
+
+def test_load_weight_keeps_a_prefix_router_balancing() -> None:
+    """score = matched - weight x queued: a 16-token match beats a backlog of 15 tokens,
+    not one of 17; with weight 0 the match alone decides."""
+    trace, config = _tail_trace(), _tiny()
+    instance = Instance(1, trace, config, "latest", InstanceSettings(), events=True)
+    events = instance.advance([1], 5).events
+    request = _route_request(trace, 2)
+    router = make_prefix_router(2, config, trace, residency=True, load_weight=1.0)
+    greedy = make_prefix_router(2, config, trace, residency=True, load_weight=0.0)
+    for each in (router, greedy):
+        each.observe(1, events)
+    assert router.route(request, [Load(0, 0), Load(15, 1)]) == Route(1, 16)
+    assert router.route(request, [Load(0, 0), Load(17, 1)]) == Route(0, 0)
+    assert greedy.route(request, [Load(0, 0), Load(10**6, 9)]).instance == 1
+
+
+def _route_request(trace: Trace, index: int) -> RouteRequest:
+    r = trace.requests[index]
+    return RouteRequest(index, r.request_id, r.session_id, r.input_length)
+
+
+@pytest.mark.parametrize("model", ["gemma3-bench", "qwen3.5-27b"])
+def test_residency_prediction_is_the_managers_hit_without_pressure(model: str) -> None:
+    """A pool large enough that nothing is evicted: every hit the residency router
+    predicts from the events is exactly the hit the instance's manager then gives, while
+    the full-attention-only index over-predicts (window tails / checkpoints it cannot see).
+    """
+    shape = load_model(model)
+    trace = make_workload("agentic", num_sessions=4, num_turns=4, first_prompt_tokens=1600,
+                          turn_tokens=900, output_tokens=3)
+    config = shape.cache_config(6000 if model == "gemma3-bench" else 400)
+    runs = {name: run_router(name, trace, config, "latest", _settings(3))
+            for name in ("prefix-fa", "prefix-residency")}
+    residency, fa = runs["prefix-residency"], runs["prefix-fa"]
+    assert sum(r.evicted_blocks for r in residency.instances) == 0
+    assert residency.hit_tokens > 0
+    assert residency.phantom_hit_tokens == 0
+    assert residency.predicted_hit_tokens == residency.hit_tokens
+    if model == "gemma3-bench":  # recurrent: checkpoints sit where FA blocks end here
+        assert fa.phantom_hit_tokens > 0
+
+
+def test_prefix_routers_parallel_equals_serial() -> None:
+    trace = make_workload("agentic", num_sessions=5, num_turns=3, first_prompt_tokens=512,
+                          turn_tokens=128, output_tokens=3)
+    config = load_model("gemma3-bench").cache_config(300)
+    for name in ("prefix-fa", "prefix-residency"):
+        serial = run_router(name, trace, config, "latest", _settings(3))
+        parallel = run_router(name, trace, config, "latest", _settings(3), jobs=2)
+        assert serial.to_json() == parallel.to_json()
+
+
+def test_router_without_events_falls_back_to_least_loaded() -> None:
+    trace, config = _tail_trace(), _tiny()
+    router: PrefixRouter = make_prefix_router(2, config, trace, residency=True,
+                                              load_weight=1.0)
+    run = run_cluster(trace, router, serial_backend(trace, config, "latest", _settings(),
+                                                    events=False), _settings())
+    assert run.predicted_hit_tokens == 0  # no stream, no prediction
