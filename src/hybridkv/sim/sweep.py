@@ -186,7 +186,9 @@ def compute_cell(source: Source, shape: ModelShape, cell: Cell, options: CellOpt
         **{f"miss_{cause}": tokens for cause, tokens in result.misses.as_dict().items()},
         "preemptions": result.preemptions, "steps": result.steps,
         "evicted_blocks": result.evicted_blocks,
-        "wait_p50_steps": result.wait_p50_steps, "wait_p99_steps": result.wait_p99_steps,
+        # floats whichever core ran (the compiled one returns its declared float type)
+        "wait_p50_steps": float(result.wait_p50_steps),
+        "wait_p99_steps": float(result.wait_p99_steps),
         "wait_max_steps": result.wait_max_steps,
         "manager_seconds": round(result.manager_seconds, 4),
         "wall_seconds": round(result.wall_seconds, 4), "key": cell.key,
