@@ -604,9 +604,15 @@ def _spawn(argv: list[str], cwd: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     process = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", *argv], cwd=cwd, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=_default_sigint)  # noqa: PLW1509
     _SPAWNED.append(process)
     return process
+
+
+def _default_sigint() -> None:
+    """A shell's background job (``land.sh &``) starts with SIGINT ignored and Python keeps
+    it ignored: give the child the disposition a terminal's foreground process has."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(autouse=True)

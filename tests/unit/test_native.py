@@ -181,3 +181,15 @@ def test_compiled_and_pure_replays_are_identical(tmp_path: Path) -> None:
     assert isinstance(runs, list) and len(runs) == 6
     assert all(run["hit_rate"] > 0.5 for run in runs)  # the policies' code paths ran
     assert compiled == pure
+
+
+def test_frozen_settings_survive_pickling() -> None:
+    """Sweep cells carry ``ReplaySettings`` to ``--jobs`` / Ray workers; on the compiled
+    core the default unpickling of a frozen class fails (``FrozenInstanceError``), so it
+    pickles through its constructor."""
+    import pickle
+
+    from hybridkv.sim.replay import ReplaySettings
+
+    settings = ReplaySettings(max_running=3, chunk_size=512, admission="warm")
+    assert pickle.loads(pickle.dumps(settings)) == settings

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol, overload
 
 from hybridkv.cache import KVCacheManager
@@ -60,6 +60,12 @@ class ReplaySettings:
     """Admission order (``sim.admission.ORDERS``); ``fcfs`` is the protocol."""
     observers: tuple[ReplayObserver, ...] = ()
     """Called around every replay (``hybridkv replay --events / --metrics``)."""
+
+    def __reduce__(self) -> tuple[type[ReplaySettings], tuple[object, ...]]:
+        """Pickle through the constructor (sweep cells travel to ``--jobs`` / Ray workers):
+        the compiled core's default unpickling sets the fields one by one, which a frozen
+        class refuses."""
+        return (type(self), tuple(getattr(self, f.name) for f in fields(self)))
 
 
 @dataclass(slots=True)
