@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from cli_harness import alive as _alive
+from cli_harness import children as _children
+from cli_harness import cpu_seconds as _cpu_seconds
+from cli_harness import needs_proc
+from cli_harness import spawn_cli as _spawn
+from cli_harness import wait_for as _wait_for
 
 from hybridkv.cli import main
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 SMALL = ["cluster", "--workload", "agentic", "--set", "num_sessions=5", "--set", "num_turns=3",
          "--set", "first_prompt_tokens=512", "--set", "turn_tokens=128",
          "--set", "output_tokens=3", "--instances", "3", "--num-blocks", "300", "--quiet"]
@@ -94,54 +96,6 @@ def test_ray_actors_give_the_serial_numbers(tmp_path: Path,
 # ---------------------------------------------------------------- signals (subprocess)
 LONG = ["cluster", "--workload", "agentic", "--set", "num_sessions=32", "--set", "num_turns=8",
         "--instances", "4", "--paranoid", "--quiet", "--json", "c.json", "--plot", "c.png"]
-
-needs_proc = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc")
-
-
-def _spawn(argv: list[str], cwd: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    return subprocess.Popen([sys.executable, "-m", "hybridkv.cli", *argv], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_default_sigint)  # noqa: PLW1509 - only a signal call
-
-
-def _default_sigint() -> None:
-    """A shell's background job starts with SIGINT ignored, and Python keeps it ignored:
-    give the child the default disposition, as a terminal's foreground process has."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _wait_for(predicate: object, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
-
 
 @needs_proc
 def test_ctrl_c_is_one_line_exit_130_no_output(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from cli_harness import TINY_MODEL
 from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -26,18 +27,6 @@ from hybridkv.sim.model import load_model
 from hybridkv.sim.replay import ReplaySettings, RunResult, replay
 from hybridkv.sim.workloads import aba
 
-TINY_MODEL = """
-name = "tiny-hybrid"
-block_size = 16
-kv_bytes_per_token = 64
-[[layers]]
-kind = "full_attention"
-count = 2
-[[layers]]
-kind = "sliding_window"
-window = 32
-count = 2
-"""
 AGENTIC = ["--workload", "agentic", "--set", "num_sessions=3", "--set", "num_turns=3",
            "--set", "first_prompt_tokens=200", "--set", "turn_tokens=50",
            "--set", "output_tokens=8", "--num-blocks", "60", "--quiet"]

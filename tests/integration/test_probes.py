@@ -8,14 +8,11 @@ is left behind. The signal probes at the end run the CLI in a real subprocess.
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
 import os
 import signal
 import stat
-import subprocess
-import sys
 import time
 import zlib
 from collections.abc import Iterator
@@ -23,24 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cli_harness import SRC, TINY_MODEL, needs_proc
+from cli_harness import alive as _alive
+from cli_harness import children as _children
+from cli_harness import spawn_cli as _spawn
+from cli_harness import wait_busy as _wait_busy
+from cli_harness import wait_for as _wait_for
 
 from hybridkv.cli import main
 from hybridkv.sim.loaders import fields
-
-SRC = Path(__file__).resolve().parents[2] / "src"
-
-TINY_MODEL = """
-name = "tiny-hybrid"
-block_size = 16
-kv_bytes_per_token = 64
-[[layers]]
-kind = "full_attention"
-count = 2
-[[layers]]
-kind = "sliding_window"
-window = 32
-count = 2
-"""
 
 WINDOW_ONLY_MODEL = """
 block_size = 16
@@ -595,85 +583,10 @@ def test_readme_has_no_placeholder_paths() -> None:
 
 
 # ---------------------------------------------------------------- signals (subprocess)
-_SPAWNED: list[subprocess.Popen[str]] = []
-
-
-def _spawn(argv: list[str], cwd: Path) -> subprocess.Popen[str]:
-    """Start the CLI in its own process group; ``_reap_spawned`` kills what a failed or
-    interrupted test left running (a long replay must not outlive its test)."""
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    process = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", *argv], cwd=cwd, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True, preexec_fn=_default_sigint)  # noqa: PLW1509
-    _SPAWNED.append(process)
-    return process
-
-
-def _default_sigint() -> None:
-    """A shell's background job (``land.sh &``) starts with SIGINT ignored and Python keeps
-    it ignored: give the child the disposition a terminal's foreground process has."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-@pytest.fixture(autouse=True)
-def _reap_spawned() -> Iterator[None]:
-    yield
-    while _SPAWNED:
-        process = _SPAWNED.pop()
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-
-
-def _children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    try:
-        return [int(p) for p in path.read_text().split()]
-    except OSError:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid`` so far (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _wait_busy(process: subprocess.Popen[str], cpu_seconds: float) -> None:
-    """Wait until ``process`` has used ``cpu_seconds`` of CPU: past its imports and into the
-    work however loaded the machine is (a wall-clock sleep is not, on a busy 2-core box)."""
-    assert _wait_for(lambda: process.poll() is not None
-                     or _cpu_seconds(process.pid) >= cpu_seconds, 120)
-
-
-def _wait_for(predicate: object, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
-
-
 LONG_REPLAY = ["replay", "--workload", "agentic", "--policy", "latest,dense", "--quiet",
                "--paranoid", "--set", "num_sessions=32", "--set", "num_turns=8"]
 """Built in a moment, replays for minutes (every invariant checked after every step): the
 signal probes interrupt it."""
-
-needs_proc = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc")
-
 
 @needs_proc
 @pytest.mark.parametrize("command", [

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from cli_harness import TINY_MODEL
 
 from hybridkv.cli import main
 from hybridkv.sim.ceiling import infinite_cache_ceiling
@@ -13,19 +14,6 @@ from hybridkv.sim.model import load_model
 from hybridkv.sim.replay import ReplaySettings, replay
 from hybridkv.sim.trace import Trace, TraceRequest
 from hybridkv.sim.workloads import aba
-
-TINY_MODEL = """
-name = "tiny-hybrid"
-block_size = 16
-kv_bytes_per_token = 64
-[[layers]]
-kind = "full_attention"
-count = 2
-[[layers]]
-kind = "sliding_window"
-window = 32
-count = 2
-"""
 
 
 @pytest.fixture

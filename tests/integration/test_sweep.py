@@ -3,38 +3,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from cli_harness import TINY_MODEL
+from cli_harness import alive as _alive
+from cli_harness import children as _children
+from cli_harness import cpu_seconds as _cpu_seconds
+from cli_harness import spawn_cli as _spawn
+from cli_harness import wait_for as _wait_for
 
 from hybridkv.cli import main
 from hybridkv.sim import report as report_module
 from hybridkv.sim import sweep_ray
 from hybridkv.sim.sweep import ROW_FIELDS, TIMING_FIELDS
-
-SRC = Path(__file__).resolve().parents[2] / "src"
-
-TINY_MODEL = """
-name = "tiny-hybrid"
-block_size = 16
-kv_bytes_per_token = 64
-[[layers]]
-kind = "full_attention"
-count = 2
-[[layers]]
-kind = "sliding_window"
-window = 32
-count = 2
-"""
 
 
 def _mooncake(path: Path, shift: int = 0) -> Path:
@@ -336,48 +322,6 @@ def test_kv_memory_budgets_per_model(inputs: Path, tmp_path: Path,
     assert rows[0]["num_blocks"] != rows[2]["num_blocks"]
 
 
-_SPAWNED: list[subprocess.Popen[str]] = []
-
-
-@pytest.fixture(autouse=True)
-def _kill_spawned() -> Iterator[None]:
-    """A failed signal test must not leave a minutes-long sweep (or its workers) running:
-    each spawned CLI gets its own session, killed whole at teardown."""
-    yield
-    while _SPAWNED:
-        process = _SPAWNED.pop()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.communicate(timeout=10)
-
-
-def _spawn(argv: list[str], cwd: Path) -> subprocess.Popen[str]:
-    process = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", *argv], cwd=cwd,
-                               env={**os.environ, "PYTHONPATH": str(SRC)},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    _SPAWNED.append(process)
-    return process
-
-
-def _cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 LONG = ["--workload", "agentic", "--set", "num_sessions=32", "--set", "num_turns=20"]
 """A workload whose cells replay for minutes."""
 
@@ -403,21 +347,6 @@ def test_ctrl_c_keeps_finished_cells_and_writes_no_output(inputs: Path,
         f"in {results} (a re-run resumes)"]
     assert list(out.iterdir()) == []
     assert len(list(results.iterdir())) == 4
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc")
