@@ -206,11 +206,12 @@ def _sabotaged_run(monkeypatch: pytest.MonkeyPatch, target: object, name: str,
     monkeypatch.setattr(target, name, replacement)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(BranchMachine, settings=settings(
-            max_examples=200, stateful_step_count=200, derandomize=True, database=None,
+            max_examples=400, stateful_step_count=200, derandomize=True, database=None,
             phases=[Phase.generate], suppress_health_check=list(HealthCheck)))
 
 
-def test_a_snapshot_of_the_wrong_position_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_snapshot_of_the_wrong_position_is_caught(monkeypatch: pytest.MonkeyPatch,
+                                                   pure_python: None) -> None:
     """Sabotage: snapshots keyed one unit early (the state after ``p`` handed out as the
     state after ``p - U``). The content oracle must fail the run."""
     original = BranchSnapshots.take_snapshot
@@ -237,7 +238,8 @@ def test_a_snapshot_of_the_wrong_position_is_caught(monkeypatch: pytest.MonkeyPa
     _sabotaged_run(monkeypatch, BranchSnapshots, "take_snapshot", shifted)
 
 
-def test_a_copy_from_the_wrong_block_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_copy_from_the_wrong_block_is_caught(monkeypatch: pytest.MonkeyPatch,
+                                               pure_python: None) -> None:
     """Sabotage: the full-attention snapshot copies the block before the one holding
     ``[p // bs * bs, p)``."""
     real = HybridCoordinator._snapshot_branch_point
