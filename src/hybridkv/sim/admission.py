@@ -130,6 +130,9 @@ class RankedOrder(AdmissionOrder):
 
     probes: ClassVar[bool] = False
     """Scores come from hit lookups (verified at the top) rather than scheduler state."""
+    live_scores: ClassVar[bool] = False
+    """A probing order whose score of a cached hit reads live pool state (``warm``: whether
+    the hit's last blocks are free now): recomputed at every ranking, not kept."""
 
     def __init__(self) -> None:
         self._candidates: Sequence[SchedRequest] | None = None
@@ -142,7 +145,16 @@ class RankedOrder(AdmissionOrder):
         self._growth: dict[str, _Probes | None] = {}
         """Request id → ``may_extend``'s probes for its cached hit (when the probe offers
         them): the growth check repeated without a call into the manager."""
+        self._growth_key: dict[str, tuple[tuple[int, BlockHash], ...]] = {}
+        """Request id → its growth probes as a hashable key (index identity, hash):
+        candidates waiting on the same blocks share one check per ranking."""
+        self._scores: dict[str, float] = {}
+        """Request id → ``score`` of its cached hit (a function of the hit alone)."""
+        self._ceilings: dict[str, float] = {}
+        """Request id → ``ceiling`` (a function of the prompt alone)."""
         self.num_probes = 0
+        self.num_growth_checks = 0
+        """Dictionary probes of growth checks made (shared ones counted once)."""
 
     @abstractmethod
     def score(self, request: SchedRequest, hit: PrefixHit | None) -> float:
@@ -157,49 +169,81 @@ class RankedOrder(AdmissionOrder):
                ) -> PrefixHit:
         hit = probe.hit(request)
         self.num_probes += 1
-        self._cached[request.req_id] = (version, hit)
-        self._checked[request.req_id] = version[1]
+        req_id = request.req_id
+        self._cached[req_id] = (version, hit)
+        self._checked[req_id] = version[1]
+        self._scores[req_id] = self.score(request, hit)
         growth_probes = getattr(probe, "growth_probes", None)
         if growth_probes is not None:
-            self._growth[request.req_id] = growth_probes(request, hit.num_tokens,
-                                                         _matched_tokens(hit))
+            probes = growth_probes(request, hit.num_tokens, _matched_tokens(hit))
+            self._growth[req_id] = probes
+            if probes is not None:
+                self._growth_key[req_id] = tuple((id(index), block_hash)
+                                                 for index, block_hash in probes)
+            else:
+                self._growth_key.pop(req_id, None)
         return hit
 
     def _may_extend(self, request: SchedRequest, hit: PrefixHit, probe: Probe) -> bool:
         if request.req_id not in self._growth:
             return probe.may_extend(request, hit.num_tokens, _matched_tokens(hit))
         probes = self._growth[request.req_id]
-        return probes is None or any(block_hash in index for index, block_hash in probes)
+        if probes is None:
+            return True
+        self.num_growth_checks += 1
+        return any(block_hash in index for index, block_hash in probes)
 
     def _rank(self, candidates: Sequence[SchedRequest], probe: Probe,
               version: tuple[int, int]) -> list[tuple[float, int]]:
         """(-score, index) of every candidate, best first. New candidates are probed; a
         cached one is probed again only if blocks were cached since, ``may_extend`` says
         they can lengthen its hit, and its prompt is long enough that a longer hit could
-        beat the best score already known."""
+        beat the best score already known.
+
+        Incremental: scores and ceilings are kept per candidate from its last probe, and
+        candidates whose growth checks ask the same dictionary probes (waiting on the
+        same next block) share one answer per ranking."""
         if not self.probes:
             return sorted((-self.score(r, None), i) for i, r in enumerate(candidates))
-        cached = self._cached
-        hits: list[PrefixHit] = []
+        cached, scores_of, checked = self._cached, self._scores, self._checked
+        live = self.live_scores
+        scores: list[float] = []
         stale: list[int] = []
+        indexed = version[1]
         for index, request in enumerate(candidates):
-            entry = cached.get(request.req_id)
+            req_id = request.req_id
+            entry = cached.get(req_id)
             if entry is None:
-                hits.append(self._probe(request, probe, version))
-                continue
-            hits.append(entry[1])
-            if self._checked.get(request.req_id, entry[0][1]) != version[1]:
+                self._probe(request, probe, version)
+            elif checked.get(req_id, entry[0][1]) != indexed:
                 stale.append(index)
-        scores = [self.score(r, h) for r, h in zip(candidates, hits, strict=True)]
-        best = max(scores)
-        checked = self._checked
-        for index in stale:
-            request, hit = candidates[index], hits[index]
-            if self.ceiling(request) <= best:
-                continue
-            checked[request.req_id] = version[1]  # no re-check until more is indexed
-            if self._may_extend(request, hit, probe):
-                scores[index] = self.score(request, self._probe(request, probe, version))
+            scores.append(self.score(request, cached[req_id][1]) if live
+                          else scores_of[req_id])
+        if stale:
+            best = max(scores)
+            ceilings, keys = self._ceilings, self._growth_key
+            answers: dict[tuple[tuple[int, BlockHash], ...], bool] = {}
+            for index in stale:
+                request = candidates[index]
+                req_id = request.req_id
+                ceiling = ceilings.get(req_id)
+                if ceiling is None:
+                    ceiling = ceilings[req_id] = self.ceiling(request)
+                if ceiling <= best:
+                    continue
+                checked[req_id] = indexed  # no re-check until more is indexed
+                key = keys.get(req_id)
+                if key is None:
+                    grows = self._may_extend(request, cached[req_id][1], probe)
+                else:
+                    answer = answers.get(key)
+                    if answer is None:
+                        answer = answers[key] = self._may_extend(
+                            request, cached[req_id][1], probe)
+                    grows = answer
+                if grows:
+                    self._probe(request, probe, version)
+                    scores[index] = scores_of[req_id]  # fresh: live or not, the same now
         return sorted((-score, i) for i, score in enumerate(scores))
 
     def choose(self, candidates: Sequence[SchedRequest], probe: Probe,
@@ -218,7 +262,7 @@ class RankedOrder(AdmissionOrder):
             if probed_at == version:  # exact now: it beats every cached runner-up
                 return request, hit
             hit = self._probe(request, probe, version)
-            entry = (-self.score(request, hit), index)
+            entry = (-self._scores[request.req_id], index)
             if len(ranked) == 1 or entry <= ranked[1]:
                 ranked[0] = entry
                 return request, hit
@@ -226,9 +270,13 @@ class RankedOrder(AdmissionOrder):
             bisect.insort(ranked, entry)
 
     def forget(self, request: SchedRequest) -> None:
-        self._cached.pop(request.req_id, None)
-        self._checked.pop(request.req_id, None)
-        self._growth.pop(request.req_id, None)
+        req_id = request.req_id
+        self._cached.pop(req_id, None)
+        self._checked.pop(req_id, None)
+        self._growth.pop(req_id, None)
+        self._growth_key.pop(req_id, None)
+        self._scores.pop(req_id, None)
+        self._ceilings.pop(req_id, None)
 
 
 class LongestHitOrder(RankedOrder):
@@ -281,6 +329,7 @@ class AtRiskHitOrder(LongestHitOrder):
     """
 
     name = "warm"
+    live_scores = True
 
     RISK_WEIGHT = float(1 << 32)
     """Lexicographic weight: any at-risk hit outranks every held one (tokens < 2^32)."""
