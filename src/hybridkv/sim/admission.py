@@ -373,55 +373,63 @@ class SessionOrder(RankedOrder):
 
 
 class StarvationGuard:
-    """Bounded overtaking, counted in the prefill work later requests put ahead.
+    """Bounded overtaking: a count of admissions, extended for cheap ones by prefill work.
 
     Each admission adds, to every candidate ahead of the admitted one in first-come order,
     one to ``num_overtaken`` and the admitted request's new (computed, non-hit) tokens to
-    ``overtaken_tokens``. A candidate is *due* once ``overtaken_tokens >=
-    max_prefill_tokens`` or ``num_overtaken >= max_admissions``; a due candidate is
-    admitted before the order is asked again (the first-come due one first; a refusal of
-    its allocation ends the step's admissions, as under ``fcfs``).
+    ``overtaken_tokens``. A candidate is *due* once it has been passed ``free_admissions``
+    times *and* the passes computed ``max_prefill_tokens`` new tokens in total, or once it
+    has been passed ``max_admissions`` times; a due candidate is admitted before the order
+    is asked again (the first-come due one first; a refusal of its allocation ends the
+    step's admissions, as under ``fcfs``).
 
-    Why work, not a count of admissions: what delays a waiting request is the prefill its
+    Why work as well as a count: what delays a waiting request is the prefill its
     overtakers compute, and the cache-aware orders overtake with *hits* — an admission
-    whose prompt is mostly cached computes a few tokens; a cold one computes its whole
-    prompt. Counting admissions charges both alike (a tuned count moved hit rates by 23
-    points either way in the prototype); counting their new tokens charges each by what it
-    costs the requests it passes.
+    whose prompt is mostly cached computes a few tokens, a cold one its whole prompt. A
+    count alone charges both alike, so it cuts hit-driven reordering hardest exactly where
+    reordering costs the passed request least (a tuned count moved hit rates by 23 points
+    either way in the prototype); work alone lets one long cold prompt exhaust the budget.
+    So any ``free_admissions`` passes are allowed (one turnover of the running set, the
+    session-1 guard), and passing beyond that continues only while all passes together
+    stay under one turnover's prefill budget.
 
-    The bound (the scheduler uses ``max_prefill_tokens = max_running * chunk_size``, the
-    prefill budget of ``max_running`` steps — the work of one turnover of the running set
-    at full chunks — and ``max_admissions = lookahead_requests``): while a request is
-    eligible in the window, the later requests admitted before it compute fewer than
-    ``max_prefill_tokens`` new tokens in total before the last of them, i.e. at most
-    ``max_prefill_tokens - 1`` plus one request's prompt, and there are at most
-    ``max_admissions`` of them. It is admitted no later than first-come order would admit
-    it, delayed by at most that much prefill work of later requests (``fcfs``: none).
+    The bound (the scheduler uses ``free_admissions = max_running``, ``max_prefill_tokens =
+    max_running * chunk_size`` — the prefill budget of ``max_running`` steps — and
+    ``max_admissions = lookahead_requests``): while a request is eligible in the window,
+    the later requests admitted before it are at most ``max_admissions``, and either at
+    most ``free_admissions`` or they computed fewer than ``max_prefill_tokens`` new tokens
+    before the last of them (so at most that minus one plus one request's prompt). It is
+    admitted no later than first-come order would admit it, delayed by at most that many
+    admissions / that much prefill of later requests (``fcfs``: none).
 
     >>> from types import SimpleNamespace
-    >>> guard = StarvationGuard(max_prefill_tokens=100, max_admissions=3)
-    >>> a, b, c = (SimpleNamespace(req_id=k, num_overtaken=0, overtaken_tokens=0)
-    ...            for k in "abc")
-    >>> guard.on_admitted([a, b, c], c, 60)  # c (60 new tokens) passes a and b
-    >>> guard.due([a, b]) is None  # 60 < 100 tokens, 1 < 3 admissions
+    >>> guard = StarvationGuard(free_admissions=2, max_prefill_tokens=100, max_admissions=4)
+    >>> a, b = (SimpleNamespace(req_id=k, num_overtaken=0, overtaken_tokens=0) for k in "ab")
+    >>> guard.on_admitted([a, b], b, 150)  # one long pass: 150 tokens, but only 1 pass
+    >>> guard.due([a]) is None
     True
-    >>> guard.on_admitted([a, b], b, 50)  # b passes a: a has now been passed by 110 tokens
-    >>> (a.overtaken_tokens, a.num_overtaken, guard.due([a]) is a)
-    (110, 2, True)
+    >>> guard.on_admitted([a], SimpleNamespace(), 1)  # a 2nd pass: 2 passes, 151 tokens
+    >>> (a.num_overtaken, a.overtaken_tokens, guard.due([a]) is a)
+    (2, 151, True)
     """
 
-    def __init__(self, max_prefill_tokens: int, max_admissions: int) -> None:
-        if max_prefill_tokens <= 0 or max_admissions <= 0:
-            raise ConfigError("starvation guard", (max_prefill_tokens, max_admissions),
-                              "needs a positive token budget and admission count")
+    def __init__(self, *, free_admissions: int, max_prefill_tokens: int,
+                 max_admissions: int) -> None:
+        if min(free_admissions, max_prefill_tokens, max_admissions) <= 0:
+            raise ConfigError("starvation guard",
+                              (free_admissions, max_prefill_tokens, max_admissions),
+                              "needs positive admission counts and a token budget")
+        self.free_admissions = free_admissions
         self.max_prefill_tokens = max_prefill_tokens
-        self.max_admissions = max_admissions
+        self.max_admissions = max(max_admissions, free_admissions)
         self._due_for: Sequence[SchedRequest] | None = None
         self._due: SchedRequest | None = None
 
     def is_due(self, request: SchedRequest) -> bool:
-        return (request.overtaken_tokens >= self.max_prefill_tokens
-                or request.num_overtaken >= self.max_admissions)
+        passes = request.num_overtaken
+        return passes >= self.max_admissions or (
+            passes >= self.free_admissions
+            and request.overtaken_tokens >= self.max_prefill_tokens)
 
     def due(self, candidates: Sequence[SchedRequest]) -> SchedRequest | None:
         """The first due candidate (cached per candidate list: counts change only by
@@ -431,7 +439,7 @@ class StarvationGuard:
             self._due = next((r for r in candidates if self.is_due(r)), None)
         return self._due
 
-    def on_admitted(self, candidates: Sequence[SchedRequest], admitted: SchedRequest,
+    def on_admitted(self, candidates: Sequence[SchedRequest], admitted: object,
                     new_tokens: int) -> None:
         """``admitted`` (computing ``new_tokens`` prompt tokens) passed the candidates
         ahead of it."""

@@ -68,7 +68,7 @@ class SchedRequest:
     caps it; always 0 under ``fcfs``)."""
     overtaken_tokens: int = 0
     """New (non-hit) prompt tokens of those admissions: the prefill work put ahead of it
-    (the starvation guard's budget; always 0 under ``fcfs``)."""
+    (the starvation guard's work budget; always 0 under ``fcfs``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +135,8 @@ class Scheduler:
         self.admission = make_admission_order(admission) if isinstance(admission, str) \
             else admission
         self._is_fcfs = self.admission.name == "fcfs"
-        self.guard = StarvationGuard(max_prefill_tokens=max_running * chunk_size,
+        self.guard = StarvationGuard(free_admissions=max_running,
+                                     max_prefill_tokens=max_running * chunk_size,
                                      max_admissions=max(1, lookahead_requests))
         self.manager = manager
         self.max_running = max_running
