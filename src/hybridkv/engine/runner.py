@@ -13,6 +13,12 @@ Window-recompute bridges (policies with ``+recompute``) need nothing from the lo
 request's ``KVCacheManager.prefill_plan``: ``engine.bridge.chunk_span`` turns it into the
 keys each chunk reads and the K/V it writes (full layers never write below the cached end).
 
+Sub-block hits (``ckpt:branch``) add block copies (``KVCacheManager.take_block_copies``,
+drained right after ``schedule()``): copy-on-write copies run before the forward pass (a
+hitting request's private copy of a snapshot: the KV slots ``[p // bs * bs, p)`` of a
+full-attention page, or a recurrent group's state after ``p`` tokens), snapshot copies
+after it (a branch point's KV / state, which the step itself writes).
+
 Chunks run in plan order inside each layer, so a request admitted in the same step as the
 request that writes its hit blocks reads them after they are written. Token ids are
 reduced modulo the vocabulary for the embedding; the cache manager hashes the original ids.
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridkv.branch import BlockCopy
 from hybridkv.cache import KVCacheManager, PrefillPlan
 from hybridkv.config import CacheConfig
 from hybridkv.engine.attention import AttentionFn, AttentionRule, reference_attention
@@ -89,6 +96,10 @@ class RunResult:
     wall_s: float
     bridge_tokens: int = 0
     """Tokens recomputed by window-recompute bridges (the manager's ``stats``)."""
+    block_copies: int = 0
+    """``ckpt:branch`` block copies run (snapshots and copy-on-write hits, per group)."""
+    sub_block_hits: int = 0
+    """``ckpt:branch`` admissions whose hit ends inside a block (copy-on-write hits)."""
 
     @property
     def total_hit_tokens(self) -> int:
@@ -248,6 +259,7 @@ class EngineRunner:
                                                     len(request.prompt_token_ids))
         run_started = time.perf_counter()
         computed = 0
+        num_copies = sub_block_hits = 0
         while scheduler.has_unfinished:
             step_started = time.perf_counter()
             plan = scheduler.schedule()
@@ -261,10 +273,15 @@ class EngineRunner:
                 computed += chunk.num_new_tokens
                 if chunk.req_id in plan.admitted:
                     record.hit_tokens.append(chunk.num_hit_tokens)
+                    sub_block_hits += manager.coordinator.is_partial_hit(chunk.num_hit_tokens)
                     record.prefill_plans.append(manager.prefill_plan(chunk.req_id))
                     if record.admitted_s is None:
                         record.admitted_s = step_started
+            copies = manager.take_block_copies()
+            num_copies += len(copies)
+            self.copy_blocks([c for c in copies if not c.after_forward])
             sampled = self._execute(manager, plan, records)
+            self.copy_blocks([c for c in copies if c.after_forward])
             step_done = time.perf_counter()
             for req_id, token in sampled.items():
                 record = records[req_id]
@@ -279,7 +296,24 @@ class EngineRunner:
         stats = manager.stats
         return RunResult(opts.policy, records, scheduler.num_steps, scheduler.num_preemptions,
                          stats.queries, stats.hits, computed,
-                         time.perf_counter() - run_started, stats.bridge_tokens)
+                         time.perf_counter() - run_started, stats.bridge_tokens, num_copies,
+                         sub_block_hits)
+
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """Run ``ckpt:branch`` block copies in order: a recurrent group's checkpoint, or
+        the full-attention KV of the copy's position inside its block (``num_tokens % bs``
+        slots: a copy at token 400 of 784-token blocks moves slots ``[0, 400)``)."""
+        for copy in copies:
+            if copy.group_id in self.state_cache.group_ids:
+                self.state_cache.copy_block(group_id=copy.group_id,
+                                            src_block_id=copy.src_block_id,
+                                            dst_block_id=copy.dst_block_id)
+            else:
+                bs = self.cache_config.groups[copy.group_id].spec.block_size
+                self.kv_cache.copy_block(group_id=copy.group_id,
+                                         src_block_id=copy.src_block_id,
+                                         dst_block_id=copy.dst_block_id,
+                                         num_tokens=copy.num_tokens % bs)
 
     def _execute(self, manager: KVCacheManager, plan: StepPlan,
                  records: dict[str, RequestRecord]) -> dict[str, int]:
