@@ -70,6 +70,18 @@ def test_sub_block_hits_with_preemption_and_the_chunked_path() -> None:
     assert outcome.num_preemptions > 0 and outcome.sub_block_hits > 0, outcome.line()
 
 
+def test_sub_block_hits_under_eagle_lookahead_hashes_are_identical() -> None:
+    """EAGLE (lookahead hashes at the hit unit): sub-block hits still happen and stay
+    exact; the drafter side of a snapshot is checked by the property machine."""
+    requests = make_engine_workload("mixed", alignment_tokens=BLOCK, seed=1)
+    report = run_verify(_model(), requests, policies=BRANCH, eagle=True,
+                        settings=VerifySettings(block_size=BLOCK))
+    report.raise_on_divergence()
+    plain, eagle = report.outcomes
+    assert eagle.eagle and eagle.sub_block_hits > 0, eagle.line()
+    assert plain.sub_block_hits > 0
+
+
 def test_verify_command_adds_branch_policies_for_recurrent_models(
         capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["verify", "--pattern", "qwen3-next", "--workload", "boundaries"])
