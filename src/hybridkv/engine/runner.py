@@ -62,6 +62,10 @@ class RequestRecord:
         admitted_s / first_token_s: ``time.perf_counter()`` at the start of the step that
             first admitted the request, and after the step that sampled its first token
             (device synchronised).
+        eligible_step / admitted_step: the scheduler's steps (1-based) at which the request
+            became eligible (its session's previous request finished, its phase opened) and
+            was first admitted; the admission order decides what happens in between.
+        eligible_s: ``time.perf_counter()`` at the start of step ``eligible_step``.
     """
 
     req_id: str
@@ -73,6 +77,9 @@ class RequestRecord:
     num_computed_tokens: int = 0
     admitted_s: float | None = None
     first_token_s: float | None = None
+    eligible_step: int | None = None
+    admitted_step: int | None = None
+    eligible_s: float | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -80,6 +87,14 @@ class RequestRecord:
         if self.admitted_s is None or self.first_token_s is None:
             return None
         return self.first_token_s - self.admitted_s
+
+    @property
+    def queued_ttft_s(self) -> float | None:
+        """Seconds from eligibility to the first sampled token: the TTFT a client sees,
+        waiting in the queue included (what an admission order changes)."""
+        if self.eligible_s is None or self.first_token_s is None:
+            return None
+        return self.first_token_s - self.eligible_s
 
 
 @dataclass(slots=True)
@@ -141,6 +156,18 @@ class _Work:
 def vocab_ids(token_ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
     """Embedding rows of (possibly huge) token ids: ``id mod vocab_size``."""
     return (torch.tensor(token_ids, dtype=torch.int64) % vocab_size).to(device)
+
+
+def _note_waits(records: dict[str, RequestRecord], scheduler: Scheduler,
+                step_starts: Sequence[float]) -> None:
+    """Copy each request's eligibility and first admission step from the scheduler, and
+    the wall time of its eligibility step (``step_starts[i]``: start of step ``i + 1``)."""
+    for req_id, record in records.items():
+        request = scheduler.requests[req_id]
+        record.eligible_step, record.admitted_step = request.eligible_step, \
+            request.admitted_step
+        if request.eligible_step is not None:
+            record.eligible_s = step_starts[request.eligible_step - 1]
 
 
 def _copy_request(request: SchedRequest) -> SchedRequest:
@@ -260,8 +287,10 @@ class EngineRunner:
         run_started = time.perf_counter()
         computed = 0
         num_copies = sub_block_hits = 0
+        step_starts: list[float] = []
         while scheduler.has_unfinished:
             step_started = time.perf_counter()
+            step_starts.append(step_started)
             plan = scheduler.schedule()
             if not plan.chunks:
                 raise CapacityError(
@@ -293,6 +322,7 @@ class EngineRunner:
                 observer.on_step(manager, scheduler)
         for observer in opts.observers:
             observer.detach(manager, scheduler, None)
+        _note_waits(records, scheduler, step_starts)
         stats = manager.stats
         return RunResult(opts.policy, records, scheduler.num_steps, scheduler.num_preemptions,
                          stats.queries, stats.hits, computed,
