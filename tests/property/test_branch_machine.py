@@ -11,6 +11,9 @@ hitting request's prefix. At a hit inside a block, every group hands out a snaps
 content is exactly the prefix ``[0, p)`` (the state after ``p`` tokens; the KV of
 ``[p // bs * bs, p)``), the full-attention blocks before it their own prefixes, and the hit
 is maximal over block-aligned and sub-block positions (brute force over the hash index).
+A full-attention part served by an alias (the producer's block ``k``, full, cached under
+its own hash) must hold the KV of a prompt that agrees with the hitter's on ``[0, p)`` and
+be block ``k`` of it: its slots ``[k * bs, p)`` are then exactly the hitter's.
 """
 
 from __future__ import annotations
@@ -69,8 +72,9 @@ class BranchMachine(base.ManagerMachine):
             if copy.after_forward:
                 continue  # copy-on-write hit: before the forward pass
             got = self.content.get(copy.src_block_id)
-            assert got == (copy.group_id, tuple(tokens[: copy.num_tokens])), (
+            assert self.serves(got, copy.group_id, tokens, copy.num_tokens), (
                 f"{req_id}: copy-on-write from block {copy.src_block_id} holding {got}")
+            got = (copy.group_id, tuple(tokens[: copy.num_tokens]))  # the slots copied
             assert copy.num_tokens == start
             self.content[copy.dst_block_id] = got
             event("copy-on-write hit")
@@ -110,7 +114,9 @@ class BranchMachine(base.ManagerMachine):
             snapshot = table[-1]
             assert not snapshot.is_null and snapshot.hash_group_id == group_id
             got = self.content.get(snapshot.block_id)
-            assert got == (group_id, tuple(tokens[:p])), (
+            if self.is_full(group_id) and got != (group_id, tuple(tokens[:p])):
+                event("hit through a full-attention alias")
+            assert self.serves(got, group_id, tokens, p), (
                 f"group {group_id}: snapshot {snapshot.block_id} holds {got}, the hit at "
                 f"{p} needs {tokens[:p]}")
             for idx, block in enumerate(table[:-1]):
@@ -122,6 +128,18 @@ class BranchMachine(base.ManagerMachine):
         assert p == self.brute_force_hit(tokens, len(tokens) - 1), "hit is not maximal"
         self.num_hits += 1
         event("hit inside a block")
+
+    def serves(self, got: object, group_id: int, tokens: Sequence[int], p: int) -> bool:
+        """Whether a block holding ``got`` serves a hit at ``p`` inside a block: exactly
+        the prefix ``[0, p)``, or (full attention, an alias) block ``p // bs`` of a longer
+        prompt that agrees with ``tokens`` on ``[0, p)``."""
+        if got == (group_id, tuple(tokens[:p])):
+            return True
+        if not self.is_full(group_id) or not isinstance(got, tuple) or got[0] != group_id:
+            return False
+        bs = self.specs[group_id].block_size
+        held = got[1]
+        return len(held) == (p // bs + 1) * bs and tuple(held[:p]) == tuple(tokens[:p])
 
     def brute_force_hit(self, tokens: Sequence[int], limit: int) -> int:
         """The aligned answer, or a deeper sub-block position whose full-attention blocks
@@ -139,8 +157,12 @@ class BranchMachine(base.ManagerMachine):
                     view = coarse_hashes(hashes, spec.block_size // u)
                     ok = all(pool.get_cached_block(BlockHash(view[i]), GroupId(g))
                              is not None for i in range(p // spec.block_size))
-                ok = ok and pool.get_cached_block(BlockHash(hashes[p // u - 1]),
-                                                  GroupId(g)) is not None
+                branch = self.manager.coordinator.branch
+                assert branch is not None
+                ok = ok and (pool.get_cached_block(BlockHash(hashes[p // u - 1]),
+                                                   GroupId(g)) is not None
+                             or (self.is_full(g) and branch.full_source(
+                                 BlockHash(hashes[p // u - 1]), GroupId(g)) is not None))
                 if not ok:
                     break
             if ok:
@@ -217,10 +239,11 @@ def test_a_snapshot_of_the_wrong_position_is_caught(monkeypatch: pytest.MonkeyPa
     original = BranchSnapshots.take_snapshot
 
     def shifted(self: BranchSnapshots, req_id: ReqId, block_hash: BlockHash,
-                num_tokens: int, sources: Sequence[Block]) -> bool:
+                num_tokens: int, sources: Sequence[Block], full_hash: BlockHash | None = None,
+                parent_hash: BlockHash | None = None) -> bool:
         hashes = shifted.hashes  # type: ignore[attr-defined]
         return original(self, req_id, hashes.get(block_hash, block_hash), num_tokens,
-                        sources)
+                        sources, full_hash, parent_hash)
 
     shifted.hashes = {}  # type: ignore[attr-defined]
     real_snapshot_point = HybridCoordinator._snapshot_branch_point
@@ -259,3 +282,35 @@ def test_a_copy_from_the_wrong_block_is_caught(monkeypatch: pytest.MonkeyPatch,
         real(self, req_id, hashes, num_tokens, num_prompt_tokens, junction_tokens)
 
     _sabotaged_run(monkeypatch, HybridCoordinator, "_snapshot_branch_point", wrong_source)
+
+
+def test_an_alias_of_the_wrong_block_is_caught(monkeypatch: pytest.MonkeyPatch,
+                                             pure_python: None) -> None:
+    """Sabotage: the full-attention alias names block ``k + 1`` of the producer (its
+    KV holds a longer prefix, but not in the slots ``[k * bs, p)``)."""
+    original = BranchSnapshots.take_snapshot
+
+    def wrong_alias(self: BranchSnapshots, req_id: ReqId, block_hash: BlockHash,
+                    num_tokens: int, sources: Sequence[Block],
+                    full_hash: BlockHash | None = None,
+                    parent_hash: BlockHash | None = None) -> bool:
+        if full_hash is not None:
+            full_hash = wrong_alias.next_block.get(full_hash, full_hash)  # type: ignore[attr-defined]
+        return original(self, req_id, block_hash, num_tokens, sources, full_hash, parent_hash)
+
+    wrong_alias.next_block = {}  # type: ignore[attr-defined]
+    real_snapshot_point = HybridCoordinator._snapshot_branch_point
+
+    def remember(self: HybridCoordinator, req_id: ReqId, hashes: Sequence[BlockHash],
+                 num_tokens: int, num_prompt_tokens: int, junction_tokens: int) -> None:
+        assert self.branch is not None
+        ratio = self.branch.block_size // self.branch.unit_tokens
+        k = num_tokens // self.branch.block_size
+        if (k + 2) * ratio <= len(hashes):
+            wrong_alias.next_block[hashes[(k + 1) * ratio - 1]] = \
+                hashes[(k + 2) * ratio - 1]  # type: ignore[attr-defined]
+        real_snapshot_point(self, req_id, hashes, num_tokens, num_prompt_tokens,
+                            junction_tokens)
+
+    monkeypatch.setattr(HybridCoordinator, "_snapshot_branch_point", remember)
+    _sabotaged_run(monkeypatch, BranchSnapshots, "take_snapshot", wrong_alias)
