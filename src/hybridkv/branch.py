@@ -124,8 +124,9 @@ class BranchSnapshots:
     """Snapshot blocks and copy-on-write sources of ``ckpt:branch`` (see the module doc).
 
     Invariants (``check_invariants``): every held block is non-null with ``ref_count >= 1``
-    (the pool's reference counts include these holds: ``HybridCoordinator.holders``); the
-    alias map holds at most ``alias_capacity`` entries.
+    (the pool's reference counts include these holds: ``HybridCoordinator.holders``); a
+    snapshot waiting for its aliased block is held; the alias map holds at most
+    ``alias_capacity`` entries.
     """
 
     def __init__(self, pool: BlockPool, unit_tokens: int, block_size: int,
@@ -142,6 +143,10 @@ class BranchSnapshots:
         """Snapshot ``u``-hash of ``[0, p)`` → the full-block hash ``H_k`` whose cached
         full-attention block holds the KV of ``[k * bs, p)`` (LRU, ``alias_capacity``)."""
         self.alias_capacity = max(pool.num_blocks, 1)
+        self.waiting_alias: dict[int, BlockHash] = {}
+        """Snapshot block id → the full-block hash its alias needs: the producer keeps
+        holding it until that block is cached (so an eviction policy never sees a snapshot
+        whose full-attention part does not exist yet)."""
         self.fresh_full: set[int] = set()
         """Full-attention blocks hashed in the current step (their KV may be written only
         by this step's forward pass: not yet a copy source)."""
@@ -230,7 +235,8 @@ class BranchSnapshots:
         holding that position's content. ``full_hash``: the full-block hash the request's
         block ``k`` will be cached under (its prompt fills the block): full-attention
         groups then get the alias instead of a block. ``parent_hash``: the full-attention
-        hash the snapshot depends on (chain-aware eviction). Skipped (``False``) when every
+        hash the snapshot's full-attention block extends (chain-aware eviction: recurrent
+        states depend on that block, or on the aliased one). Skipped (``False``) when every
         group already has it or the pool cannot spare the blocks (at least as many must
         stay free)."""
         pool = self.pool
@@ -247,7 +253,13 @@ class BranchSnapshots:
         partial = num_tokens % self.block_size
         copied = False
         for (gid, src), block in zip(pairs, blocks, strict=True):
-            pool.cache_block(block, block_hash, gid, parent_hash)
+            if gid in self.full_group_ids:  # the snapshot extends the chain at k * bs
+                pool.cache_block(block, block_hash, gid, parent_hash)
+            elif full_hash is None:  # a state needs the full-attention snapshot
+                pool.cache_block(block, block_hash, gid, block_hash)
+            else:  # a state needs the aliased full-attention block
+                pool.cache_block(block, block_hash, gid, full_hash)
+                self.waiting_alias[block.block_id] = full_hash
             self.fresh.add(block.block_id)
             self.copies.append(BlockCopy(gid, src.block_id, block.block_id, num_tokens, True))
             copied = copied or gid in self.full_group_ids
@@ -279,12 +291,28 @@ class BranchSnapshots:
         self.copied_tokens += num_tokens % self.block_size
         return fresh
 
-    def release(self, req_id: ReqId) -> None:
-        """The request's step ran (or it left): its snapshots and copy sources go back to
-        the cache (most recently used end of the free queue)."""
+    def release(self, req_id: ReqId, final: bool = False) -> None:
+        """The request's step ran (or, ``final``, it left): its snapshots and copy sources
+        go back to the cache (most recently used end of the free queue) — except, while
+        it runs, snapshots whose aliased full-attention block is not cached yet."""
         blocks = self.held.pop(req_id, None)
+        if not blocks:
+            return
+        waiting = self.waiting_alias
+        if waiting:
+            kept = [] if final else [b for b in blocks if b.block_id in waiting
+                                     and not self._is_cached(waiting[b.block_id])]
+            if kept:
+                self.held[req_id] = kept
+                blocks = [b for b in blocks if b not in kept]
+            for block in blocks:
+                waiting.pop(block.block_id, None)
         if blocks:
             self.pool.free_blocks(blocks, FreeTier.HEAD, FreeTier.TAIL)
+
+    def _is_cached(self, full_hash: BlockHash) -> bool:
+        return all(self.pool.group_index(g).get(full_hash) is not None
+                   for g in self.full_group_ids)
 
     def new_step(self) -> None:
         self.fresh.clear()
@@ -306,6 +334,10 @@ class BranchSnapshots:
             for block in blocks:
                 if block.is_null or block.ref_count < 1:
                     raise InvariantViolation(f"ckpt:branch: {req_id!r} holds {block!r}")
+        held_ids = {b.block_id for blocks in self.held.values() for b in blocks}
+        if not held_ids.issuperset(self.waiting_alias):
+            raise InvariantViolation("ckpt:branch: a snapshot waiting for its alias is not "
+                                     "held")
         if len(self.aliases) > self.alias_capacity:
             raise InvariantViolation(f"ckpt:branch: {len(self.aliases)} aliases, capacity "
                                      f"{self.alias_capacity}")

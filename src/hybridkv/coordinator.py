@@ -482,7 +482,7 @@ class HybridCoordinator:
         self._next_release.pop(req_id, None)
         self._covered_tokens.pop(req_id, None)
         if self.branch is not None:
-            self.branch.release(req_id)
+            self.branch.release(req_id, final=True)
         eviction = self.pool.eviction
         if eviction is not None:  # never batched (see _make_units)
             eviction.start_release(self.pool, session_id, num_output_tokens)
