@@ -115,7 +115,8 @@ def test_a_prompt_that_fills_the_block_leaves_a_three_block_snapshot() -> None:
     hit = m.find_longest_hit("c")
     assert m.allocate_slots("c", 3, hit) is not None
     copies = m.take_block_copies()
-    assert [(c.group_id, c.num_tokens, c.after_forward) for c in copies][0] == (0, 12, False)
+    assert [(c.group_id, c.num_tokens, c.after_forward) for c in copies] == \
+        [(0, 12, False), (1, 12, False), (2, 12, False)]
     assert copies[0].src_block_id == b_block1.block_id
     assert m.get_block_ids("c")[0][1] != b_block1.block_id  # a private copy
     m.check_invariants()
