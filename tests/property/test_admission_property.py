@@ -32,8 +32,19 @@ def _copies(requests: list[SchedRequest]) -> list[SchedRequest]:
                          r.phase, r.tag) for r in requests]
 
 
+class ScanningScheduler(Scheduler):
+    """A scheduler whose probe cannot list newly indexed hashes: the orders check growth
+    candidate by candidate (the reference the watchers must agree with)."""
+
+    def __getattribute__(self, name: str) -> object:
+        if name == "new_hashes":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
 def _run(layers: tuple[LayerSpec, ...], requests: list[SchedRequest], admission: object,
          slack: int, max_running: int, chunk_size: int, lookahead_requests: int,
+         scheduler_class: type[Scheduler] = Scheduler,
          ) -> tuple[Scheduler, list[StepPlan]]:
     groups = CacheConfig.from_layers(layers, 2).groups
     worst_case = max(
@@ -42,9 +53,9 @@ def _run(layers: tuple[LayerSpec, ...], requests: list[SchedRequest], admission:
         for r in requests
     )
     manager = KVCacheManager(CacheConfig(groups, 1 + worst_case + slack), "latest")
-    scheduler = Scheduler(manager, max_running=max_running, chunk_size=chunk_size,
-                          lookahead_requests=lookahead_requests,
-                          admission=admission)  # type: ignore[arg-type]
+    scheduler = scheduler_class(manager, max_running=max_running, chunk_size=chunk_size,
+                                lookahead_requests=lookahead_requests,
+                                admission=admission)  # type: ignore[arg-type]
     for request in requests:
         scheduler.add_request(request)
     total_tokens = sum(len(r.prompt_token_ids) + r.max_output_tokens for r in requests)
@@ -110,3 +121,23 @@ def test_every_order_finishes_and_keeps_its_guard(
             request.overtaken_tokens < guard.max_prefill_tokens + longest
         if admission == "fcfs":
             assert request.num_overtaken == request.overtaken_tokens == 0
+
+
+@settings(max_examples=150)
+@given(workload=workloads(), admission=st.sampled_from(["hit", "warm"]),
+       slack=st.integers(0, 2), max_running=st.integers(1, 6),
+       chunk_size=st.integers(1, 48), lookahead_requests=st.integers(1, 8))
+def test_watching_new_hashes_decides_as_checking_every_candidate(
+    workload: tuple[tuple[LayerSpec, ...], list[SchedRequest]], admission: str, slack: int,
+    max_running: int, chunk_size: int, lookahead_requests: int,
+) -> None:
+    """Growth found by watchers (each ranking looks only at candidates a newly indexed
+    hash concerns) makes exactly the plans of the check one candidate at a time."""
+    layers, requests = workload
+    args = (slack, max_running, chunk_size, lookahead_requests)
+    watched, watched_plans = _run(layers, _copies(requests), admission, *args)
+    scanned, scanned_plans = _run(layers, _copies(requests), admission, *args,
+                                  scheduler_class=ScanningScheduler)
+    assert watched_plans == scanned_plans
+    assert getattr(watched.admission, "_watching", False)  # the watchers did decide
+    assert not getattr(scanned.admission, "_watching", True)  # the reference did scan

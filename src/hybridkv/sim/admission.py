@@ -34,7 +34,7 @@ may have extended its hit (``RankedOrder``).
 
 from __future__ import annotations
 
-import bisect
+import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol
@@ -132,29 +132,41 @@ class RankedOrder(AdmissionOrder):
     """Scores come from hit lookups (verified at the top) rather than scheduler state."""
     live_scores: ClassVar[bool] = False
     """A probing order whose score of a cached hit reads live pool state (``warm``: whether
-    the hit's last blocks are free now): recomputed at every ranking, not kept."""
+    the hit's last blocks are free now): recomputed at every ranking, not kept (a hit of
+    0 tokens keeps its score: nothing of the pool is read for it)."""
 
     def __init__(self) -> None:
         self._candidates: Sequence[SchedRequest] | None = None
         self._ranked: list[tuple[float, int]] = []
-        """(-score, candidate index), ascending: best first."""
+        """(-score, candidate index) as a heap: the best at index 0."""
         self._cached: dict[str, tuple[tuple[int, int], PrefixHit]] = {}
         """Request id → (lookup version, hit) of its last probe."""
         self._checked: dict[str, int] = {}
         """Request id → hashes ever indexed at its last probe or growth check."""
-        self._growth: dict[str, _Probes | None] = {}
-        """Request id → ``may_extend``'s probes for its cached hit (when the probe offers
-        them): the growth check repeated without a call into the manager."""
-        self._growth_key: dict[str, tuple[tuple[int, BlockHash], ...]] = {}
-        """Request id → its growth probes as a hashable key (index identity, hash):
-        candidates waiting on the same blocks share one check per ranking."""
+        self._growth: dict[str, tuple[_Probes, _Probes, int] | None] = {}
+        """Request id → ``may_extend``'s probes for its cached hit, split (when the probe
+        offers them; ``None``: always true): the full-attention block past the match,
+        the window blocks inside it, and the match's length. The check is repeated
+        without a call into the manager, the long window part only when a hit up to the
+        match could beat the best score."""
+        self._watchers: tuple[dict[BlockHash, set[str]], dict[BlockHash, set[str]]] = (
+            {}, {})
+        """Hash → candidates whose growth check asks for it, for the full-attention and
+        the other groups (when the probe lists new hashes: ``new_hashes``): a hash that
+        enters an index marks its watchers, so a ranking touches only those."""
+        self._grown: tuple[set[str], set[str]] = (set(), set())
+        """Candidates a watched hash entered an index for since their probe: through full
+        attention (any longer hit possible) / only inside the match (window tails)."""
+        self._marks: list[int] | None = None
+        self._watching = True
+        """Whether the probe lists new hashes; else every stale candidate is scanned."""
         self._scores: dict[str, float] = {}
         """Request id → ``score`` of its cached hit (a function of the hit alone)."""
         self._ceilings: dict[str, float] = {}
         """Request id → ``ceiling`` (a function of the prompt alone)."""
         self.num_probes = 0
-        self.num_growth_checks = 0
-        """Dictionary probes of growth checks made (shared ones counted once)."""
+        self.num_window_checks = 0
+        """Growth checks that had to test the window blocks inside a match."""
 
     @abstractmethod
     def score(self, request: SchedRequest, hit: PrefixHit | None) -> float:
@@ -164,6 +176,10 @@ class RankedOrder(AdmissionOrder):
     def ceiling(self, request: SchedRequest) -> float:
         """The largest score any hit could give ``request`` (probing orders)."""
         return float("inf")
+
+    def potential(self, request: SchedRequest, num_tokens: int) -> float:
+        """The largest score a hit of at most ``num_tokens`` could give ``request``."""
+        return self.ceiling(request)
 
     def _probe(self, request: SchedRequest, probe: Probe, version: tuple[int, int],
                ) -> PrefixHit:
@@ -175,38 +191,108 @@ class RankedOrder(AdmissionOrder):
         self._scores[req_id] = self.score(request, hit)
         growth_probes = getattr(probe, "growth_probes", None)
         if growth_probes is not None:
-            probes = growth_probes(request, hit.num_tokens, _matched_tokens(hit))
-            self._growth[req_id] = probes
-            if probes is not None:
-                self._growth_key[req_id] = tuple((id(index), block_hash)
-                                                 for index, block_hash in probes)
-            else:
-                self._growth_key.pop(req_id, None)
+            matched = _matched_tokens(hit)
+            probes = growth_probes(request, hit.num_tokens, matched)
+            self._unwatch(req_id)
+            if probes is None:
+                self._growth[req_id] = None
+            else:  # full attention's probes come first: those of a lookup at the match
+                full = probes if matched <= hit.num_tokens else \
+                    growth_probes(request, matched, matched) or ()
+                growth = (probes[:len(full)], probes[len(full):], matched)
+                self._growth[req_id] = growth
+                if self._watching:
+                    for watchers, part in zip(self._watchers, growth[:2], strict=True):
+                        for _, block_hash in part:
+                            watching = watchers.get(block_hash)
+                            if watching is None:
+                                watchers[block_hash] = {req_id}
+                            else:
+                                watching.add(req_id)
         return hit
 
-    def _may_extend(self, request: SchedRequest, hit: PrefixHit, probe: Probe) -> bool:
-        if request.req_id not in self._growth:
+    def _unwatch(self, req_id: str) -> None:
+        growth = self._growth.get(req_id)
+        if not self._watching:
+            return
+        for grown in self._grown:
+            grown.discard(req_id)
+        if growth is None:
+            return
+        for watchers, part in zip(self._watchers, growth[:2], strict=True):
+            for _, block_hash in part:
+                watching = watchers.get(block_hash)
+                if watching is not None:
+                    watching.discard(req_id)
+                    if not watching:
+                        del watchers[block_hash]
+
+    def _note_new_hashes(self, probe: Probe) -> bool:
+        """Mark the watchers of hashes indexed since the last ranking; False when the
+        probe cannot list them (then stale candidates are checked one by one)."""
+        if not self._watching:
+            return False
+        new_hashes = getattr(probe, "new_hashes", None)
+        if new_hashes is None:
+            self._watching = False
+            for watchers in self._watchers:
+                watchers.clear()
+            for grown in self._grown:
+                grown.clear()
+            return False
+        self._marks, hashes = new_hashes(self._marks)
+        if hashes is None:
+            return False
+        for watchers, grown, part in zip(self._watchers, self._grown, hashes, strict=True):
+            for block_hash in part:
+                watching = watchers.get(block_hash)
+                if watching is not None:
+                    grown.update(watching)
+        return True
+
+    def _may_grow(self, request: SchedRequest, hit: PrefixHit, probe: Probe, best: float,
+                  ) -> bool | None:
+        """Whether the cached hit may have grown (``may_extend``) into a score above
+        ``best``; ``None``: undecided because only a hit up to the match (window tails
+        inside it) could have grown and that cannot beat ``best`` now — asked again at
+        the next ranking. (The check one by one, when the probe lists no new hashes.)"""
+        req_id = request.req_id
+        if req_id not in self._growth:
             return probe.may_extend(request, hit.num_tokens, _matched_tokens(hit))
-        probes = self._growth[request.req_id]
-        if probes is None:
+        growth = self._growth[req_id]
+        if growth is None:
             return True
-        self.num_growth_checks += 1
-        return any(block_hash in index for index, block_hash in probes)
+        full, window, matched = growth
+        if any(block_hash in index for index, block_hash in full):
+            return True  # full attention reaches past the match: any longer hit possible
+        if not window:
+            return False
+        if self.potential(request, matched) <= best:
+            return None
+        self.num_window_checks += 1
+        return any(block_hash in index for index, block_hash in window)
 
     def _rank(self, candidates: Sequence[SchedRequest], probe: Probe,
               version: tuple[int, int]) -> list[tuple[float, int]]:
-        """(-score, index) of every candidate, best first. New candidates are probed; a
+        """(-score, index) of every candidate as a heap (best first). New candidates are probed; a
         cached one is probed again only if blocks were cached since, ``may_extend`` says
         they can lengthen its hit, and its prompt is long enough that a longer hit could
         beat the best score already known.
 
         Incremental: scores and ceilings are kept per candidate from its last probe, and
-        candidates whose growth checks ask the same dictionary probes (waiting on the
-        same next block) share one answer per ranking."""
+        growth is found by watching: each probe registers the hashes its growth check
+        asks for, each ranking lists the hashes indexed since the last one (the probe's
+        ``new_hashes``) and marks their watchers, so a ranking looks only at marked
+        candidates — not at every probe of every candidate (thousands per candidate on
+        100k-token prompts whose window tail was evicted). A probe that cannot list new
+        hashes gets the check one by one (``_may_grow``)."""
         if not self.probes:
-            return sorted((-self.score(r, None), i) for i, r in enumerate(candidates))
+            ranked = [(-self.score(r, None), i) for i, r in enumerate(candidates)]
+            heapq.heapify(ranked)
+            return ranked
         cached, scores_of, checked = self._cached, self._scores, self._checked
-        live = self.live_scores
+        live, score = self.live_scores, self.score
+        listed = self._note_new_hashes(probe)
         scores: list[float] = []
         stale: list[int] = []
         indexed = version[1]
@@ -215,36 +301,70 @@ class RankedOrder(AdmissionOrder):
             entry = cached.get(req_id)
             if entry is None:
                 self._probe(request, probe, version)
-            elif checked.get(req_id, entry[0][1]) != indexed:
+                scores.append(scores_of[req_id])
+                continue
+            if not listed and checked.get(req_id, entry[0][1]) != indexed:
                 stale.append(index)
-            scores.append(self.score(request, cached[req_id][1]) if live
+            hit = entry[1]
+            scores.append(score(request, hit) if live and hit.num_tokens
                           else scores_of[req_id])
-        if stale:
-            best = max(scores)
-            ceilings, keys = self._ceilings, self._growth_key
-            answers: dict[tuple[tuple[int, BlockHash], ...], bool] = {}
-            for index in stale:
-                request = candidates[index]
-                req_id = request.req_id
-                ceiling = ceilings.get(req_id)
-                if ceiling is None:
-                    ceiling = ceilings[req_id] = self.ceiling(request)
-                if ceiling <= best:
-                    continue
-                checked[req_id] = indexed  # no re-check until more is indexed
-                key = keys.get(req_id)
-                if key is None:
-                    grows = self._may_extend(request, cached[req_id][1], probe)
-                else:
-                    answer = answers.get(key)
-                    if answer is None:
-                        answer = answers[key] = self._may_extend(
-                            request, cached[req_id][1], probe)
-                    grows = answer
-                if grows:
-                    self._probe(request, probe, version)
-                    scores[index] = scores_of[req_id]  # fresh: live or not, the same now
-        return sorted((-score, i) for i, score in enumerate(scores))
+        if listed:
+            self._regrow_marked(candidates, probe, version, scores)
+        elif stale:
+            self._regrow_stale(candidates, probe, version, scores, stale)
+        ranked = [(-s, i) for i, s in enumerate(scores)]
+        heapq.heapify(ranked)
+        return ranked
+
+    def _ceiling_of(self, request: SchedRequest) -> float:
+        ceiling = self._ceilings.get(request.req_id)
+        if ceiling is None:
+            ceiling = self._ceilings[request.req_id] = self.ceiling(request)
+        return ceiling
+
+    def _regrow_marked(self, candidates: Sequence[SchedRequest], probe: Probe,
+                       version: tuple[int, int], scores: list[float]) -> None:
+        """Probe again the marked candidates whose grown hit could beat the best score
+        (``scores`` updated in place); the others stay marked for the next ranking."""
+        full_grown, window_grown = self._grown
+        if not (full_grown or window_grown):
+            return
+        best = max(scores)
+        position = {r.req_id: i for i, r in enumerate(candidates)}
+        for req_id in [*full_grown, *window_grown]:
+            index = position.get(req_id, -1)
+            if index < 0 or req_id not in self._cached:
+                continue
+            request = candidates[index]
+            growth = self._growth.get(req_id)
+            if req_id in full_grown or growth is None:
+                ceiling = self._ceiling_of(request)
+            else:  # only window tails inside the match: a hit up to the match
+                ceiling = self.potential(request, growth[2])
+            if ceiling <= best:
+                continue  # stays marked: looked at again at the next ranking
+            self._probe(request, probe, version)  # clears its marks
+            scores[index] = self._scores[req_id]
+
+    def _regrow_stale(self, candidates: Sequence[SchedRequest], probe: Probe,
+                      version: tuple[int, int], scores: list[float], stale: list[int],
+                      ) -> None:
+        """The check one by one (a probe without ``new_hashes``): probe again the stale
+        candidates whose hit may have grown above the best score."""
+        best = max(scores)
+        checked, indexed = self._checked, version[1]
+        for index in stale:
+            request = candidates[index]
+            req_id = request.req_id
+            if self._ceiling_of(request) <= best:
+                continue
+            grows = self._may_grow(request, self._cached[req_id][1], probe, best)
+            if grows is None:
+                continue  # not marked checked: asked again at the next ranking
+            checked[req_id] = indexed  # no re-check until more is indexed
+            if grows:
+                self._probe(request, probe, version)
+                scores[index] = self._scores[req_id]  # fresh: live or not, the same now
 
     def choose(self, candidates: Sequence[SchedRequest], probe: Probe,
                ) -> tuple[SchedRequest, PrefixHit | None]:
@@ -255,7 +375,7 @@ class RankedOrder(AdmissionOrder):
         ranked = self._ranked
         if not self.probes:
             return candidates[ranked[0][1]], None
-        while True:
+        while True:  # ``ranked`` is a heap: the best at 0, the runner-up a child of it
             index = ranked[0][1]
             request = candidates[index]
             probed_at, hit = self._cached[request.req_id]
@@ -263,18 +383,17 @@ class RankedOrder(AdmissionOrder):
                 return request, hit
             hit = self._probe(request, probe, version)
             entry = (-self._scores[request.req_id], index)
-            if len(ranked) == 1 or entry <= ranked[1]:
-                ranked[0] = entry
+            if len(ranked) == 1 or entry <= min(ranked[1:3]):
+                ranked[0] = entry  # still at most both children: a heap
                 return request, hit
-            del ranked[0]
-            bisect.insort(ranked, entry)
+            heapq.heapreplace(ranked, entry)
 
     def forget(self, request: SchedRequest) -> None:
         req_id = request.req_id
+        self._unwatch(req_id)
         self._cached.pop(req_id, None)
         self._checked.pop(req_id, None)
         self._growth.pop(req_id, None)
-        self._growth_key.pop(req_id, None)
         self._scores.pop(req_id, None)
         self._ceilings.pop(req_id, None)
 
@@ -307,6 +426,9 @@ class LongestHitOrder(RankedOrder):
 
     def ceiling(self, request: SchedRequest) -> float:
         return float(len(request.prompt_token_ids) - 1)
+
+    def potential(self, request: SchedRequest, num_tokens: int) -> float:
+        return float(num_tokens)
 
 
 class AtRiskHitOrder(LongestHitOrder):
@@ -342,6 +464,9 @@ class AtRiskHitOrder(LongestHitOrder):
 
     def ceiling(self, request: SchedRequest) -> float:
         return (self.RISK_WEIGHT + 1.0) * (len(request.prompt_token_ids) - 1)
+
+    def potential(self, request: SchedRequest, num_tokens: int) -> float:
+        return (self.RISK_WEIGHT + 1.0) * num_tokens
 
 
 class SessionOrder(RankedOrder):
