@@ -107,22 +107,62 @@ class PrefixHit:
                    for table in self._tables)
 
 
-@dataclass(frozen=True, slots=True)
 class Allocation:
-    """What one ``allocate_slots`` call granted.
+    """What one ``allocate_slots`` call granted (immutable: the fields are read-only).
 
     ``num_computed_tokens`` tokens (hit included) precede the ``num_new_tokens`` new ones;
     ``new_block_ids`` lists, per group, the blocks appended to the table by this call.
+
+    A plain class with read-only properties rather than a frozen dataclass: it is built on
+    every ``allocate_slots`` call, and a frozen dataclass's ``__init__`` (interpreted
+    ``object.__setattr__`` calls) cost ~0.8 µs per call on the compiled core vs ~0.05 µs.
+    Equality and ``repr`` are the dataclass's (the three counts; blocks left out).
+
+    >>> a = Allocation(16, 8, 16, ((),))
+    >>> a, a == Allocation(16, 8, 16, ()), a.new_block_ids
+    (Allocation(num_computed_tokens=16, num_new_tokens=8, num_hit_tokens=16), True, ((),))
     """
 
-    num_computed_tokens: int
-    num_new_tokens: int
-    num_hit_tokens: int
-    _new_blocks: tuple[Sequence[Block], ...] = field(repr=False, compare=False)
+    __slots__ = ("_num_computed_tokens", "_num_new_tokens", "_num_hit_tokens", "_new_blocks")
+
+    def __init__(self, num_computed_tokens: int, num_new_tokens: int, num_hit_tokens: int,
+                 _new_blocks: tuple[Sequence[Block], ...]) -> None:
+        self._num_computed_tokens = num_computed_tokens
+        self._num_new_tokens = num_new_tokens
+        self._num_hit_tokens = num_hit_tokens
+        self._new_blocks = _new_blocks
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._num_computed_tokens
+
+    @property
+    def num_new_tokens(self) -> int:
+        return self._num_new_tokens
+
+    @property
+    def num_hit_tokens(self) -> int:
+        return self._num_hit_tokens
 
     @property
     def new_block_ids(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(b.block_id for b in blocks) for blocks in self._new_blocks)
+
+    def _key(self) -> tuple[int, int, int]:
+        return self._num_computed_tokens, self._num_new_tokens, self._num_hit_tokens
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Allocation):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (f"Allocation(num_computed_tokens={self._num_computed_tokens}, "
+                f"num_new_tokens={self._num_new_tokens}, "
+                f"num_hit_tokens={self._num_hit_tokens})")
 
 
 @dataclass(frozen=True, slots=True)
