@@ -123,7 +123,7 @@ class Allocation:
     (Allocation(num_computed_tokens=16, num_new_tokens=8, num_hit_tokens=16), True, ((),))
     """
 
-    __slots__ = ("_num_computed_tokens", "_num_new_tokens", "_num_hit_tokens", "_new_blocks")
+    __slots__ = ("_new_blocks", "_num_computed_tokens", "_num_hit_tokens", "_num_new_tokens")
 
     def __init__(self, num_computed_tokens: int, num_new_tokens: int, num_hit_tokens: int,
                  _new_blocks: tuple[Sequence[Block], ...]) -> None:
