@@ -68,6 +68,9 @@ REFERENCE_HIT_RATES: dict[tuple[str, int, str, int, str], float] = {
        for p, v in (("prepend", 13.09), ("latest", 15.99), ("interval:32768", 23.74))},
 }
 MAX_LISTED_MISMATCHES = 20
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+"""``--clock``: what both sides' manager seconds measure (``cpu``: CPU time of this thread
+inside the calls, which other processes on a shared machine do not inflate)."""
 
 
 
@@ -210,8 +213,12 @@ def compare_policy(trace: Trace, config: CacheConfig, policy: str, args: argpars
     """Run both managers under one policy and diff their first-admission hits."""
     from vllm_adapter import VllmManager, retention_interval
 
-    ours = run_side(KVCacheManager(config, policy), trace, args, f"hybridkv {policy}")
+    clock = CLOCKS[args.clock]
+    manager = KVCacheManager(config, policy)
+    manager.clock = clock
+    ours = run_side(manager, trace, args, f"hybridkv {policy}")
     vllm_manager = VllmManager(config, policy)
+    vllm_manager.clock = clock
     theirs = run_side(HybridkvTypes(vllm_manager, len(config.groups)), trace, args,
                       f"vllm {policy}")
     mismatches = [
@@ -304,6 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--eagle-drop", action="store_true",
                         help="with --eagle: the older drop mode on both sides (vLLM with "
                              "lookahead block hashes disabled)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="manager seconds as wall time (default) or CPU time of the "
+                             "thread inside the calls (both sides alike; robust to other "
+                             "jobs on the machine)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     try:
@@ -348,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "eagle lookahead hashes" if args.eagle else "no eagle"
     print(f"trace {trace.name} ({len(trace)} requests), model {args.model}, "
           f"{args.num_blocks} blocks, {eagle}, vllm {vllm.__version__}, "
-          f"hybridkv core {_core()}", flush=True)
+          f"hybridkv core {_core()}, {args.clock} clock", flush=True)
     rows = []
     for policy in policies:
         rows.append(compare_policy(trace, config, policy, args))
@@ -396,7 +407,7 @@ def _write_json(args: argparse.Namespace, trace: Trace, rows: list[dict[str, Any
     doc = {
         "trace": str(args.trace), "requests": len(trace), "model": args.model,
         "num_blocks": args.num_blocks, "max_running": args.max_running,
-        "hybridkv_core": _core(),
+        "hybridkv_core": _core(), "clock": args.clock,
         "chunk_size": args.chunk_size, "admission_gate": not args.no_admission_gate,
         "eagle": "drop" if args.eagle_drop else "lookahead" if args.eagle else None,
         "vllm_version": vllm_version,
