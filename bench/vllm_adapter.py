@@ -321,6 +321,8 @@ class VllmManager:
         """Timer of ``manager_seconds`` / ``hash_seconds`` (as hybridkv's
         ``KVCacheManager.clock``; ``time.thread_time`` for CPU time)."""
         self.manager_seconds = 0.0
+        self.timed_calls = 0
+        """Intervals added to ``manager_seconds`` (each carries one clock call's cost)."""
         self.hash_seconds = 0.0
         self.requests = 0
         self.prompt_tokens = 0
@@ -353,6 +355,7 @@ class VllmManager:
             started = self.clock()
             self.kv.free(request)
             self.manager_seconds += self.clock() - started
+            self.timed_calls += 1
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
 
     # ------------------------------------------------------------------ lookup
@@ -361,6 +364,7 @@ class VllmManager:
         started = self.clock()
         blocks, num_tokens, junction = self.kv.get_computed_blocks(request)
         self.manager_seconds += self.clock() - started
+        self.timed_calls += 1
         if self.prefix_replay_tokens and 0 < num_tokens <= self.prefix_replay_tokens:
             # vLLM's scheduler: replaying the whole hit would save nothing
             blocks, num_tokens = self.kv.empty_kv_cache_blocks, 0
@@ -384,6 +388,7 @@ class VllmManager:
         else:
             result = self.kv.allocate_slots(request, num_new_tokens)
         self.manager_seconds += self.clock() - started
+        self.timed_calls += 1
         if result is None:
             return None
         if admitting:
@@ -402,6 +407,7 @@ class VllmManager:
         started = self.clock()
         self.kv.free(request)
         self.manager_seconds += self.clock() - started
+        self.timed_calls += 1
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -410,6 +416,7 @@ class VllmManager:
         started = self.clock()
         self.kv.new_step_starts()
         self.manager_seconds += self.clock() - started
+        self.timed_calls += 1
 
     def align_prefill_chunk(self, req_id: str, num_new_tokens: int,
                             hit: VllmHit | None = None, *,
