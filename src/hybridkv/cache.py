@@ -256,7 +256,10 @@ class KVCacheManager:
                                              checkpoints=self.checkpoints)
         self.hasher = BlockHasher(config.hash_block_size, config.hash_algo,
                                   config.hash_lookahead_tokens)
-        self._lookahead = config.hash_lookahead_tokens
+        # config fields read on every call, copied (the config is frozen): a compiled read
+        # of an interpreted dataclass's field is a generic attribute lookup
+        self._lookahead, self._caching, self._max_len = (
+            config.hash_lookahead_tokens, config.enable_caching, config.max_model_len)
         """EAGLE lookahead hashes: a block's hash waits for the L tokens after it."""
         self.stats = PrefixCacheStats(
             hit_blocks_by_group=[0] * len(config.groups),
@@ -347,7 +350,7 @@ class KVCacheManager:
         state = self._state(req_id, "append_token_ids")
         tokens = state.token_ids
         tokens.extend(token_ids)
-        if not self.config.enable_caching:
+        if not self._caching:
             return
         hb = self.hasher.block_size
         num_hashed = len(state.block_hashes)
@@ -382,7 +385,7 @@ class KVCacheManager:
         num_groups = len(self.config.groups)
         limit = state.token_ids.num_tokens - 1 if max_num_tokens is None else max_num_tokens
         limit = min(limit, state.token_ids.num_tokens - 1)
-        if not self.config.enable_caching or limit <= 0:
+        if not self._caching or limit <= 0:
             hit = PrefixHit(req_id, 0, ((),) * num_groups, 0, self.pool.epoch)
         else:
             tables, num_tokens, extra = self.coordinator.find_longest_hit(
@@ -471,7 +474,7 @@ class KVCacheManager:
         state.num_computed_tokens = num_computed + num_new_tokens
         hb = self.hasher.block_size
         lookahead = self._lookahead
-        if self.config.enable_caching and (
+        if self._caching and (
             admitting or num_computed // hb != state.num_computed_tokens // hb
             or (lookahead and (lookahead > 1 or (num_computed - 1) // hb
                                != (state.num_computed_tokens - 1) // hb))
@@ -523,7 +526,7 @@ class KVCacheManager:
                 self.stats.record_bridge(min(num_hit, self.coordinator.replay_tokens))
 
     def _cap_len(self, num_tokens: int) -> int:
-        max_len = self.config.max_model_len
+        max_len = self._max_len
         return num_tokens if max_len is None else min(num_tokens, max_len)
 
     def free(self, req_id: ReqId) -> None:

@@ -171,7 +171,8 @@ class BlockPool:
                 block_hash = block.block_hash
                 if block_hash is not None:
                     group_id: GroupId = block.hash_group_id  # type: ignore[assignment]
-                    if block_hash in duplicates[group_id]:
+                    extra = duplicates[group_id]
+                    if extra and block_hash in extra:  # (empty almost always)
                         self._evict(block)
                         continue
                     del indexes[group_id][block_hash]
