@@ -68,6 +68,9 @@ REFERENCE_HIT_RATES: dict[tuple[str, int, str, int, str], float] = {
        for p, v in (("prepend", 13.09), ("latest", 15.99), ("interval:32768", 23.74))},
 }
 MAX_LISTED_MISMATCHES = 20
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+"""``--clock``: what both sides' manager seconds measure (``cpu``: CPU time of this thread
+inside the calls, which other processes on a shared machine do not inflate)."""
 
 
 
@@ -82,6 +85,11 @@ class SideResult:
     preemptions: int = 0
     steps: int = 0
     manager_seconds: float = 0.0
+    timed_calls: int = 0
+    """Intervals summed into ``manager_seconds``."""
+    clock_overhead_seconds: float = 0.0
+    """Mean reading of an empty timed interval (``clock_overhead``), measured before the
+    run: what each timed call adds for the two clock calls around it."""
     hash_seconds: float = 0.0
     wall_seconds: float = 0.0
     first_hits: dict[str, int] = field(default_factory=dict)
@@ -91,10 +99,18 @@ class SideResult:
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def net_manager_seconds(self) -> float:
+        """``manager_seconds`` less the clock's own cost in each timed interval (matters
+        for ``--clock cpu``, whose clock is a system call: ~0.3-1.5 us per interval on the
+        dev VM, against ~1 us for a whole hybridkv decode-step allocation)."""
+        return max(0.0, self.manager_seconds - self.timed_calls * self.clock_overhead_seconds)
+
     def summary(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k not in ("first_hits", "lookups")}
         out["lookups"] = len(self.lookups)
         out["hit_rate"] = self.hit_rate
+        out["net_manager_seconds"] = self.net_manager_seconds
         return out
 
 
@@ -136,19 +152,46 @@ class HybridkvTypes:
 class LoggedLookups:
     """The scheduler's view of ``manager`` with every ``find_longest_hit`` logged (a
     compiled ``KVCacheManager`` takes no instance attributes, so it is wrapped, not
-    patched); everything else is the manager's own."""
+    patched); everything else is the manager's own. ``timed_calls`` counts the calls that
+    hybridkv's manager adds to ``manager_seconds`` (lookups, allocations, frees, and the
+    removal of a running request), outside those calls."""
 
     def __init__(self, manager: Any, lookups: list[tuple[str, int]]) -> None:
         self._manager = manager
         self._lookups = lookups
+        self.timed_calls = 0
 
     def find_longest_hit(self, req_id: str, *rest: Any, **kwargs: Any) -> Any:
         hit = self._manager.find_longest_hit(req_id, *rest, **kwargs)
         self._lookups.append((req_id, hit.num_tokens))
+        self.timed_calls += 1
         return hit
+
+    def allocate_slots(self, *args: Any, **kwargs: Any) -> Any:
+        self.timed_calls += 1
+        return self._manager.allocate_slots(*args, **kwargs)
+
+    def free(self, req_id: str) -> None:
+        self.timed_calls += 1
+        self._manager.free(req_id)
+
+    def remove_request(self, req_id: str) -> None:
+        if isinstance(self._manager, KVCacheManager) and self._manager.is_running(req_id):
+            self.timed_calls += 1
+        self._manager.remove_request(req_id)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._manager, name)
+
+
+def clock_overhead(clock: Any, num_intervals: int = 200_000) -> float:
+    """Mean length of an empty interval timed as the managers time their calls
+    (``started = clock(); ...; total += clock() - started``)."""
+    total = 0.0
+    for _ in range(num_intervals):
+        started = clock()
+        total += clock() - started
+    return total / num_intervals
 
 
 def run_side(manager: Any, trace: Trace, args: argparse.Namespace, label: str) -> SideResult:
@@ -156,7 +199,9 @@ def run_side(manager: Any, trace: Trace, args: argparse.Namespace, label: str) -
     started = time.perf_counter()
     lookups: list[tuple[str, int]] = []
     # every lookup, refused admissions included (logged outside the timed manager calls)
-    scheduler = Scheduler(LoggedLookups(manager, lookups), max_running=args.max_running,
+    logged = LoggedLookups(manager, lookups)
+    overhead = clock_overhead(manager.clock)
+    scheduler = Scheduler(logged, max_running=args.max_running,
                           chunk_size=args.chunk_size,
                           reserve_full_prompt=not args.no_admission_gate)
     requests: list[SchedRequest] = []
@@ -192,8 +237,11 @@ def run_side(manager: Any, trace: Trace, args: argparse.Namespace, label: str) -
             last_report = now
             print(f"  [{label}] {finished}/{len(requests)} finished, step {scheduler.num_steps}, "
                   f"{now - started:.0f}s", file=sys.stderr, flush=True)
+    timed_calls = manager.timed_calls if isinstance(manager, HybridkvTypes) else \
+        logged.timed_calls
     result = SideResult(preemptions=scheduler.num_preemptions, steps=scheduler.num_steps,
-                        manager_seconds=manager.manager_seconds,
+                        manager_seconds=manager.manager_seconds, timed_calls=timed_calls,
+                        clock_overhead_seconds=overhead,
                         hash_seconds=manager.hash_seconds, lookups=lookups)
     for sched in requests:
         hit = sched.first_hit_tokens or 0
@@ -210,8 +258,12 @@ def compare_policy(trace: Trace, config: CacheConfig, policy: str, args: argpars
     """Run both managers under one policy and diff their first-admission hits."""
     from vllm_adapter import VllmManager, retention_interval
 
-    ours = run_side(KVCacheManager(config, policy), trace, args, f"hybridkv {policy}")
+    clock = CLOCKS[args.clock]
+    manager = KVCacheManager(config, policy)
+    manager.clock = clock
+    ours = run_side(manager, trace, args, f"hybridkv {policy}")
     vllm_manager = VllmManager(config, policy)
+    vllm_manager.clock = clock
     theirs = run_side(HybridkvTypes(vllm_manager, len(config.groups)), trace, args,
                       f"vllm {policy}")
     mismatches = [
@@ -244,6 +296,9 @@ def compare_policy(trace: Trace, config: CacheConfig, policy: str, args: argpars
         "vllm": theirs.summary(),
         "manager_seconds_ratio_vllm_over_hybridkv": (
             theirs.manager_seconds / ours.manager_seconds if ours.manager_seconds else None),
+        "net_manager_seconds_ratio_vllm_over_hybridkv": (
+            theirs.net_manager_seconds / ours.net_manager_seconds
+            if ours.net_manager_seconds else None),
         "reference_hit_rate_percent": reference,
         "vllm_matches_reference": (None if reference is None
                                    else round(100 * theirs.hit_rate, 2) == reference),
@@ -262,8 +317,14 @@ def _print_row(row: dict[str, Any]) -> None:
           f"lookups {ours['lookups']}/{theirs['lookups']} {same}  "
           f"hit hybridkv {100 * ours['hit_rate']:.2f}% vllm {100 * theirs['hit_rate']:.2f}%"
           f"{ref_text}")
+    net = row["net_manager_seconds_ratio_vllm_over_hybridkv"]
     print(f"{'':>16}  manager s: hybridkv {ours['manager_seconds']:.2f} vllm "
-          f"{theirs['manager_seconds']:.2f} (vllm/hybridkv {ratio:.2f}x)  preemptions "
+          f"{theirs['manager_seconds']:.2f} (vllm/hybridkv {ratio:.2f}x); less the clock's "
+          f"own cost ({ours['timed_calls']} / {theirs['timed_calls']} timed calls at "
+          f"{1e9 * ours['clock_overhead_seconds']:.0f} / "
+          f"{1e9 * theirs['clock_overhead_seconds']:.0f} ns): hybridkv "
+          f"{ours['net_manager_seconds']:.2f} vllm {theirs['net_manager_seconds']:.2f} "
+          f"({net:.2f}x)  preemptions "
           f"{ours['preemptions']}/{theirs['preemptions']}  steps {ours['steps']}/"
           f"{theirs['steps']}", flush=True)
     for mm in row["first_mismatches"]:
@@ -304,6 +365,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--eagle-drop", action="store_true",
                         help="with --eagle: the older drop mode on both sides (vLLM with "
                              "lookahead block hashes disabled)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="manager seconds as wall time (default) or CPU time of the "
+                             "thread inside the calls (both sides alike; robust to other "
+                             "jobs on the machine)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     try:
@@ -348,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "eagle lookahead hashes" if args.eagle else "no eagle"
     print(f"trace {trace.name} ({len(trace)} requests), model {args.model}, "
           f"{args.num_blocks} blocks, {eagle}, vllm {vllm.__version__}, "
-          f"hybridkv core {_core()}", flush=True)
+          f"hybridkv core {_core()}, {args.clock} clock", flush=True)
     rows = []
     for policy in policies:
         rows.append(compare_policy(trace, config, policy, args))
@@ -396,7 +461,7 @@ def _write_json(args: argparse.Namespace, trace: Trace, rows: list[dict[str, Any
     doc = {
         "trace": str(args.trace), "requests": len(trace), "model": args.model,
         "num_blocks": args.num_blocks, "max_running": args.max_running,
-        "hybridkv_core": _core(),
+        "hybridkv_core": _core(), "clock": args.clock,
         "chunk_size": args.chunk_size, "admission_gate": not args.no_admission_gate,
         "eagle": "drop" if args.eagle_drop else "lookahead" if args.eagle else None,
         "vllm_version": vllm_version,

@@ -10,7 +10,8 @@ does the request bookkeeping vLLM's scheduler does around those calls (``num_com
 vLLM is *not* a dependency of hybridkv: this module is imported only by bench scripts run with
 the separate interpreter that ``bench/setup_vllm.sh`` builds.
 
-Timing: ``manager_seconds`` is wall time inside vLLM's manager calls (``get_computed_blocks``,
+Timing: ``manager_seconds`` is wall time (``clock``; CPU time with ``time.thread_time``)
+inside vLLM's manager calls (``get_computed_blocks``,
 ``allocate_slots``, ``free``, ``new_step_starts``); request construction and block hashing
 (done by the ``Request``'s hasher, as hybridkv's ``hash_seconds``) are in ``hash_seconds``.
 """
@@ -316,7 +317,12 @@ class VllmManager:
                 scheduler_config=SimpleNamespace(long_prefill_token_threshold=0))
         self._sampling = SamplingParams(max_tokens=1 << 30)
         self._requests: dict[str, Request] = {}
+        self.clock = time.perf_counter
+        """Timer of ``manager_seconds`` / ``hash_seconds`` (as hybridkv's
+        ``KVCacheManager.clock``; ``time.thread_time`` for CPU time)."""
         self.manager_seconds = 0.0
+        self.timed_calls = 0
+        """Intervals added to ``manager_seconds`` (each carries one clock call's cost)."""
         self.hash_seconds = 0.0
         self.requests = 0
         self.prompt_tokens = 0
@@ -331,32 +337,34 @@ class VllmManager:
         del block_hashes
         if extra_keys is not None:
             raise ValueError("the vLLM adapter does not map extra keys (LoRA, salt, MM)")
-        started = time.perf_counter()
+        started = self.clock()
         self._requests[req_id] = Request(
             request_id=req_id, prompt_token_ids=list(prompt_token_ids),
             sampling_params=self._sampling, pooling_params=None, arrival_time=0.0,
             block_hasher=self._block_hasher, session_id=session_id)
-        self.hash_seconds += time.perf_counter() - started
+        self.hash_seconds += self.clock() - started
 
     def append_token_ids(self, req_id: str, token_ids: Sequence[int]) -> None:
-        started = time.perf_counter()
+        started = self.clock()
         self._requests[req_id].append_output_token_ids(list(token_ids))
-        self.hash_seconds += time.perf_counter() - started
+        self.hash_seconds += self.clock() - started
 
     def remove_request(self, req_id: str) -> None:
         request = self._requests.pop(req_id)
         if request.status == RequestStatus.RUNNING:
-            started = time.perf_counter()
+            started = self.clock()
             self.kv.free(request)
-            self.manager_seconds += time.perf_counter() - started
+            self.manager_seconds += self.clock() - started
+            self.timed_calls += 1
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
 
     # ------------------------------------------------------------------ lookup
     def find_longest_hit(self, req_id: str) -> VllmHit:
         request = self._requests[req_id]
-        started = time.perf_counter()
+        started = self.clock()
         blocks, num_tokens, junction = self.kv.get_computed_blocks(request)
-        self.manager_seconds += time.perf_counter() - started
+        self.manager_seconds += self.clock() - started
+        self.timed_calls += 1
         if self.prefix_replay_tokens and 0 < num_tokens <= self.prefix_replay_tokens:
             # vLLM's scheduler: replaying the whole hit would save nothing
             blocks, num_tokens = self.kv.empty_kv_cache_blocks, 0
@@ -370,7 +378,7 @@ class VllmManager:
         request = self._requests[req_id]
         admitting = request.status != RequestStatus.RUNNING
         num_hit = hit.num_tokens if (admitting and hit is not None) else 0
-        started = time.perf_counter()
+        started = self.clock()
         if admitting:
             result = self.kv.allocate_slots(
                 request, num_new_tokens,
@@ -379,7 +387,8 @@ class VllmManager:
                 full_sequence_must_fit=reserve_full_prompt)
         else:
             result = self.kv.allocate_slots(request, num_new_tokens)
-        self.manager_seconds += time.perf_counter() - started
+        self.manager_seconds += self.clock() - started
+        self.timed_calls += 1
         if result is None:
             return None
         if admitting:
@@ -395,17 +404,19 @@ class VllmManager:
     def free(self, req_id: str) -> None:
         """Preemption: free all blocks, reset progress (vLLM ``_preempt_request``)."""
         request = self._requests[req_id]
-        started = time.perf_counter()
+        started = self.clock()
         self.kv.free(request)
-        self.manager_seconds += time.perf_counter() - started
+        self.manager_seconds += self.clock() - started
+        self.timed_calls += 1
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
 
     def new_step(self) -> None:
-        started = time.perf_counter()
+        started = self.clock()
         self.kv.new_step_starts()
-        self.manager_seconds += time.perf_counter() - started
+        self.manager_seconds += self.clock() - started
+        self.timed_calls += 1
 
     def align_prefill_chunk(self, req_id: str, num_new_tokens: int,
                             hit: VllmHit | None = None, *,

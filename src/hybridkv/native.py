@@ -79,6 +79,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "hybridkv.policies",
     "hybridkv.hashing",
     "hybridkv.tokens",
+    "hybridkv.siblings",
     "hybridkv.coordinator",
     "hybridkv.cache",
     "hybridkv.managers.base",

@@ -171,7 +171,8 @@ class BlockPool:
                 block_hash = block.block_hash
                 if block_hash is not None:
                     group_id: GroupId = block.hash_group_id  # type: ignore[assignment]
-                    if block_hash in duplicates[group_id]:
+                    extra = duplicates[group_id]
+                    if extra and block_hash in extra:  # (empty almost always)
                         self._evict(block)
                         continue
                     del indexes[group_id][block_hash]
@@ -298,29 +299,15 @@ class BlockPool:
             self.event_records.extend(
                 (0, group_id, h) for b, h in zip(blocks, hashes, strict=True)
                 if b.block_hash is None and not b.is_null)
-        if policy is None and self.null_block not in blocks:
-            # The run's hashes not in the index yet (usually all, or all but a recomputed
-            # prefix of the run) need no duplicate handling, and none of their blocks is
-            # hashed (a block's hash is its prefix's): set the fields, then index them in
-            # one C-level update. The rest goes through the per-block loop below.
-            first_new = 0 if index.keys().isdisjoint(hashes) else len(hashes)
-            while first_new and hashes[first_new - 1] not in index:
-                first_new -= 1
-            if first_new < len(hashes):
-                new_blocks, new_hashes = blocks[first_new:], hashes[first_new:]
-                for block, block_hash in zip(new_blocks, new_hashes, strict=True):
-                    block.block_hash = block_hash
-                    block.hash_group_id = group_id
-                index.update(zip(new_hashes, new_blocks, strict=True))
-                blocks, hashes = blocks[:first_new], hashes[:first_new]
-        claim = index.setdefault
         duplicates = self._duplicates[group_id]
         for block, block_hash in zip(blocks, hashes, strict=True):
             if block.block_hash is not None or block.is_null:
                 continue
             block.block_hash = block_hash
             block.hash_group_id = group_id
-            if claim(block_hash, block) is not block:  # one probe: index it unless taken
+            # one probe: index it unless taken (called on the dict itself, not through a
+            # bound method, so that mypyc emits its native dict call)
+            if index.setdefault(block_hash, block) is not block:
                 extra = duplicates.get(block_hash)
                 if extra is None:
                     duplicates[block_hash] = [block]

@@ -85,9 +85,13 @@ def test_allocation_exposes_ids_not_blocks() -> None:
     allocation = manager.allocate_slots("a", 40)
     assert allocation is not None
     assert [len(ids) for ids in allocation.new_block_ids] == [5, 10, 10]
-    assert not any(isinstance(getattr(allocation, f.name), Block)
-                   for f in dataclasses.fields(allocation))
+    public = [getattr(allocation, name) for name in dir(allocation)
+              if not name.startswith("_")]
+    assert allocation.num_computed_tokens == 0 and allocation.num_new_tokens == 40
+    assert not any(isinstance(x, Block) for x in _flatten(public))
     assert "Block(" not in repr(allocation)
+    with pytest.raises(AttributeError):  # read-only
+        allocation.num_new_tokens = 1  # type: ignore[misc]
 
 
 # --------------------------------------------------------- reset_prefix_cache
