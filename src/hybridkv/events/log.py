@@ -159,22 +159,36 @@ class EventLog:
         records = self.records
         if not records:
             return
+        index: dict[BlockHash, int] = {}
+        if request is not None:
+            index = self._indexed(request)[0]
+        groups = self.groups
         run: list[int] = []  # consecutive table positions stored in one group
         run_group = -1
+        last = -2
         for op, group_id, block_hash in records:
             if op == REMOVED:
-                self._emit_run(run_group, run, request)
-                run, run_group = [], -1
+                if run:
+                    self._emit_run(run_group, run, request)
+                    run, run_group, last = [], -1, -2
                 self._remove(group_id, block_hash)
                 continue
             if request is None:
                 raise InvariantViolation("a block was cached outside a request's caching step")
-            position = self._block_position(request, group_id, block_hash)
-            if group_id != run_group or position != run[-1] + 1:
-                self._emit_run(run_group, run, request)
+            found = index.get(block_hash)
+            ratio = groups[group_id].hash_ratio
+            if found is None or (found + 1) % ratio:
+                raise InvariantViolation(f"group {group_id} cached a hash that is not a block "
+                                         f"end of request {request.req_id!r}")
+            position = (found + 1) // ratio - 1
+            if group_id != run_group or position != last + 1:
+                if run:
+                    self._emit_run(run_group, run, request)
                 run, run_group = [], group_id
             run.append(position)
-        self._emit_run(run_group, run, request)
+            last = position
+        if run:
+            self._emit_run(run_group, run, request)
         records.clear()
 
     def take_events(self) -> list[KVEvent]:
@@ -200,15 +214,6 @@ class EventLog:
     def _external_chain(self, request: RequestContext) -> list[int]:
         return self._indexed(request)[1]
 
-    def _block_position(self, request: RequestContext, group_id: int,
-                        block_hash: BlockHash) -> int:
-        found = self._indexed(request)[0].get(block_hash)
-        ratio = self.groups[group_id].hash_ratio
-        if found is None or (found + 1) % ratio:
-            raise InvariantViolation(f"group {group_id} cached a hash that is not a block "
-                                     f"end of request {request.req_id!r}")
-        return (found + 1) // ratio - 1
-
     def _emit_run(self, group_id: int, run: list[int],
                   request: RequestContext | None) -> None:
         if not run or request is None:
@@ -217,12 +222,18 @@ class EventLog:
         bs, ratio = info.block_size, info.hash_ratio
         chain = self._external_chain(request)
         first, last = run[0], run[-1]
-        keys = [chain[(i + 1) * ratio - 1] for i in range(first, last + 1)]
+        keys = chain[(first + 1) * ratio - 1:(last + 1) * ratio:ratio]
         landings: list[int] = []
-        parent = None if first == 0 else chain[first * ratio - 1]
-        for position, key in zip(range(first, last + 1), keys, strict=True):
-            self._store(info, position, key, parent, landings)
-            parent = key
+        if info.max_tail_blocks == 0:  # full attention: only the copy counts change
+            resident = self.resident[group_id]
+            for key in keys:
+                resident[key] = resident.get(key, 0) + 1
+        else:
+            parent = None if first == 0 else chain[first * ratio - 1]
+            store = self._store
+            for position, key in enumerate(keys, first):
+                store(info, position, key, parent, landings)
+                parent = key
         tokens = request.token_ids
         lookahead = self.lookahead_tokens
         extra = request.extra_keys
@@ -234,8 +245,9 @@ class EventLog:
             lora_id=None,
             medium=self.medium,
             lora_name=None if extra is None else extra.lora_name,
-            extra_keys=[_event_extra_keys(extra, i * bs, (i + 1) * bs + lookahead)
-                        for i in range(first, last + 1)],
+            extra_keys=[None] * len(keys) if extra is None or extra.is_empty else
+            [_event_extra_keys(extra, i * bs, (i + 1) * bs + lookahead)
+             for i in range(first, last + 1)],
             group_idx=group_id,
             kv_cache_spec_kind=info.kind,
             kv_cache_spec_sliding_window=info.sliding_window,
@@ -259,15 +271,25 @@ class EventLog:
         self._node[group_id][key] = (position, parent)
         runs = self._run[group_id]
         run = 1
+        children = self._children[group_id]
         if parent is not None:
-            self._children[group_id].setdefault(parent, set()).add(key)
-            run = min(info.max_tail_blocks, 1 + runs.get(parent, 0))
-        if key in self._children[group_id]:  # resident blocks after it: carry the run down
+            siblings = children.get(parent)
+            if siblings is None:
+                children[parent] = {key}
+            else:
+                siblings.add(key)
+            run = runs.get(parent, 0) + 1
+            run = min(run, info.max_tail_blocks)
+        if key in children:  # resident blocks after it: carry the run down
             self._propagate(info, key, run, added)
             return
         runs[key] = run  # the common case: the newest block of its chain
         if (position + 1) * info.block_size % self.alignment_tokens == 0:
-            need = info.need_at(position)
+            if info.capped_prefix_rule:
+                need: int | None = position + 1 if position < info.max_tail_blocks \
+                    else info.max_tail_blocks
+            else:
+                need = info.need_at(position)
             if need and run >= need:
                 self.landable[group_id].add(key)
                 added.append(key)
@@ -279,6 +301,8 @@ class EventLog:
         runs, nodes = self._run[group_id], self._node[group_id]
         children, landable = self._children[group_id], self.landable[group_id]
         cap = info.max_tail_blocks
+        block_size, alignment = info.block_size, self.alignment_tokens
+        capped = info.capped_prefix_rule
         stack = [(key, run)]
         while stack:
             node, value = stack.pop()
@@ -286,39 +310,46 @@ class EventLog:
                 continue
             runs[node] = value
             position = nodes[node][0]
-            if (position + 1) * info.block_size % self.alignment_tokens == 0:
-                need = info.need_at(position)
+            if (position + 1) * block_size % alignment == 0:
+                if capped:
+                    need: int | None = position + 1 if position < cap else cap
+                else:
+                    need = info.need_at(position)
                 if need:
-                    if value >= need and node not in landable:
-                        landable.add(node)
-                        changed.append(node)
-                    elif value < need and node in landable:
+                    if value >= need:
+                        if node not in landable:
+                            landable.add(node)
+                            changed.append(node)
+                    elif node in landable:
                         landable.discard(node)
                         changed.append(node)
-            for child in children.get(node, ()):
-                stack.append((child, min(cap, value + 1)))
+            below = children.get(node)
+            if below:
+                next_value = value + 1 if value < cap else cap
+                for child in below:
+                    stack.append((child, next_value))
 
     def _remove(self, group_id: int, block_hash: BlockHash) -> None:
         key = external_hash(block_hash)
         resident = self.resident[group_id]
         copies = resident.get(key, 0)
-        if copies == 0:
-            raise InvariantViolation(f"group {group_id}: removal of a hash never stored")
-        lost: list[int] = []
+        lost: list[int] | None = None
         if copies == 1:
             del resident[key]
-            if key in self._run[group_id]:
-                self._unlink(self.groups[group_id], key, lost)
-        else:
+            if self._run[group_id].pop(key, None) is not None:
+                lost = self._unlink(self.groups[group_id], key)
+        elif copies:
             resident[key] = copies - 1
+        else:
+            raise InvariantViolation(f"group {group_id}: removal of a hash never stored")
         self._events.append(BlockRemoved(block_hashes=[key], medium=self.medium,
-                                         group_idx=group_id, landing_hashes=lost or None))
+                                         group_idx=group_id, landing_hashes=lost))
 
-    def _unlink(self, info: GroupEventInfo, key: int, lost: list[int]) -> None:
-        """The last copy of ``key`` left: its point and those whose tail ran through it
-        (resident descendants within the largest tail) may stop being landable."""
+    def _unlink(self, info: GroupEventInfo, key: int) -> list[int] | None:
+        """The last copy of ``key`` left (its run entry is gone already): its point and
+        those whose tail ran through it (resident descendants within the largest tail) may
+        stop being landable. Returns the points lost (``None``: none)."""
         group_id = info.group_id
-        del self._run[group_id][key]
         _, parent = self._node[group_id].pop(key)
         children = self._children[group_id]
         if parent is not None:
@@ -327,12 +358,16 @@ class EventLog:
                 siblings.discard(key)
                 if not siblings:
                     del children[parent]
+        lost: list[int] = []
         landable = self.landable[group_id]
         if key in landable:
             landable.discard(key)
             lost.append(key)
-        for child in list(children.get(key, ())):
-            self._propagate(info, child, 1, lost)
+        below = children.get(key)
+        if below:
+            for child in list(below):
+                self._propagate(info, child, 1, lost)
+        return lost or None
 
     def check_invariants(self) -> None:
         for group_id, resident in enumerate(self.resident):
