@@ -555,7 +555,10 @@ def _replayed_windows(config: CacheConfig, retention: RetentionPolicy,
 def _make_branch(config: CacheConfig, pool: BlockPool, checkpoints: str,
                  ) -> BranchSnapshots | None:
     """The ``ckpt:branch`` machinery, after checking the model suits it: full attention and
-    recurrent groups of one block size, no EAGLE, hashes at the policy's unit."""
+    recurrent groups of one block size, EAGLE only with lookahead hashes (each ``u``-hash
+    also covers the ``L`` tokens after its unit, so a snapshot at ``p`` serves only
+    prompts that continue with the producer's tokens ``[p, p + L)``: the drafter KV of slot
+    ``p - 1`` was computed from them), hashes at the policy's unit."""
     kinds = {g.spec.kind for g in config.groups}
     block_size = config.groups[0].spec.block_size
     unit = branch_unit_tokens(checkpoints, block_size)
@@ -566,10 +569,10 @@ def _make_branch(config: CacheConfig, pool: BlockPool, checkpoints: str,
         raise ConfigError("policy", checkpoints,
                           "sub-block hits need a model of full-attention and recurrent "
                           "groups with one unified block size; use ckpt:chunk or ckpt:block")
-    if config.use_eagle:
+    if config.drops_eagle_block:  # lookahead hashes (vLLM 0.33's default) are served
         raise ConfigError("policy", checkpoints,
-                          "cannot serve EAGLE/MTP (no drafter state in snapshots yet); "
-                          "drop --eagle or use ckpt:chunk")
+                          "serves EAGLE/MTP with lookahead block hashes only; drop "
+                          "eagle_block_drop (the older drop mode) or use ckpt:chunk")
     if config.hash_block_size != unit:
         raise ConfigError("prefix_match_unit", config.prefix_match_unit,
                           f"{checkpoints} hashes every {unit} tokens; set prefix_match_unit="

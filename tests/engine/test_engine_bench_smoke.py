@@ -62,3 +62,30 @@ def test_quick_bridge_bench_runs_on_cpu(tmp_path: Path) -> None:
     assert bridged["bridge_tokens"] == 240 and bridged["window_floor_tokens"] > 0
     assert "same token" in bridged["logits_vs_off"]
     assert (tmp_path / "bridge_ttft.md").read_text().startswith("Device: ")
+
+
+def test_quick_admission_bench_runs_on_cpu(tmp_path: Path) -> None:
+    """Four conversations of three turns, two running at once in a small pool: ``warm``
+    keeps following turns of a resident conversation, fcfs interleaves them."""
+    traces, out = tmp_path / "traces", tmp_path / "out"
+    traces.mkdir()
+    for conv in range(4):
+        ids = [1000 * (conv + 1) + i for i in range(20)]
+        requests = [{"t": 10 * turn + conv, "type": "n", "in": (8 + 2 * turn) * 64 + 5,
+                     "out": 3, "hash_ids": ids[: 8 + 2 * turn]} for turn in range(3)]
+        data = {"id": f"trace_{conv:04d}", "block_size": 64, "hash_id_scope": "local",
+                "requests": requests}
+        with gzip.open(traces / f"trace_{conv:04d}.json.gz", "wt") as handle:
+            json.dump(data, handle)
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "admission_ttft.py"), "--quick", "--cpu",
+         "--trace-dir", str(traces), "--admission", "fcfs,warm", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    assert completed.returncode == 0, completed.stderr[-2000:] + completed.stdout[-2000:]
+    rows = {row["order"]: row for row in
+            json.loads((out / "admission_ttft.json").read_text())["rows"]}
+    assert set(rows) == {"fcfs", "warm"}
+    assert all(row["admissions_match_scheduler"] for row in rows.values())
+    assert all(row["requests"] == 12 and row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
+               for row in rows.values())
+    assert rows["warm"]["hit_tokens"] > rows["fcfs"]["hit_tokens"]

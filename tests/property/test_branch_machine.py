@@ -7,10 +7,14 @@ taken). The oracle additionally tracks what a partially filled full-attention bl
 (the KV of the request's tokens so far) and follows every block copy the manager reports
 (``take_block_copies``): a snapshot must copy exactly the state / KV of its position from
 the producing request, a copy-on-write hit must start from a snapshot of exactly the
-hitting request's prefix. At a hit inside a block, every group hands out a snapshot whose
-content is exactly the prefix ``[0, p)`` (the state after ``p`` tokens; the KV of
-``[p // bs * bs, p)``), the full-attention blocks before it their own prefixes, and the hit
-is maximal over block-aligned and sub-block positions (brute force over the hash index).
+hitting request's prefix. With EAGLE (lookahead hashes, ``L`` = 1) the oracle also tracks
+the tokens the drafter saw after a partial block's last written slot (its KV at slot
+``p - 1`` is computed from token ``p``): a sub-block hit at ``p`` must hand out a
+full-attention snapshot whose drafter saw the hitting request's own ``[p, p + L)``.
+At a hit inside a block, every group hands out a snapshot whose content is exactly
+the prefix ``[0, p)`` (the state after ``p`` tokens; the KV of ``[p // bs * bs, p)``),
+the full-attention blocks before it their own prefixes, and the hit is maximal over
+block-aligned and sub-block positions (brute force over the hash index).
 """
 
 from __future__ import annotations
@@ -28,14 +32,16 @@ from hybridkv import FullAttentionSpec, LayerSpec, PrefixHit, RecurrentStateSpec
 from hybridkv.block import Block
 from hybridkv.branch import BranchSnapshots
 from hybridkv.coordinator import HybridCoordinator
+from hybridkv.hashing import BlockHasher, ExtraKeys
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers import coarse_hashes
 
 
 @st.composite
-def branch_setups(draw: st.DrawFn) -> HybridSetup:
+def branch_setups(draw: st.DrawFn, eagle: bool | None = None) -> HybridSetup:
     """Full attention + one or two recurrent groups (bs 4 or 8), a hit unit below the
-    block, a vLLM retention policy combined with ``ckpt:branch:U``, a small pool."""
+    block, a vLLM retention policy combined with ``ckpt:branch:U``, a small pool, EAGLE
+    (lookahead hashes) in a third of the setups."""
     bs = draw(st.sampled_from((4, 8)))
     unit = draw(st.sampled_from([u for u in (1, 2, 4) if u < bs]))
     layers: tuple[LayerSpec, ...] = (FullAttentionSpec(bs, 1),) + \
@@ -44,7 +50,8 @@ def branch_setups(draw: st.DrawFn) -> HybridSetup:
     policy = f"interval:{bs * draw(st.integers(1, 3))}" if kind == "interval" else kind
     per_request = -(-24 // bs) * len(layers)
     num_blocks = 1 + draw(st.integers(max(2, per_request // 2), per_request * 4))
-    return HybridSetup(layers, num_blocks, f"{policy}+ckpt:branch:{unit}", False, None)
+    use_eagle = draw(st.integers(0, 2)) == 0 if eagle is None else eagle
+    return HybridSetup(layers, num_blocks, f"{policy}+ckpt:branch:{unit}", use_eagle, None)
 
 
 class BranchMachine(base.ManagerMachine):
@@ -53,6 +60,10 @@ class BranchMachine(base.ManagerMachine):
         super().init_manager(setup)
         self.unit = self.manager.config.hash_block_size
         assert self.unit < self.align
+        self.partial_next: dict[int, tuple[int, ...] | None] = {}
+        """Full-attention blocks holding a partial prefix: the ``L`` tokens after its last
+        written slot from which the drafter KV of that slot was computed (``None``:
+        not known when it was computed)."""
 
     def is_full(self, group_id: int) -> bool:
         return not self.is_recurrent(group_id)
@@ -73,6 +84,13 @@ class BranchMachine(base.ManagerMachine):
                 f"{req_id}: copy-on-write from block {copy.src_block_id} holding {got}")
             assert copy.num_tokens == start
             self.content[copy.dst_block_id] = got
+            if self.is_full(copy.group_id):
+                drafter = self.partial_next.get(copy.src_block_id)
+                assert drafter == tuple(tokens[start : start + self.lookahead]), (
+                    f"{req_id}: copy-on-write at {start} from a snapshot whose drafter saw "
+                    f"{drafter}, the request continues with "
+                    f"{tokens[start : start + self.lookahead]}")
+                self.partial_next[copy.dst_block_id] = drafter
             event("copy-on-write hit")
         tables = self.manager.get_block_ids(req_id)
         for group_id, table in enumerate(tables):
@@ -87,6 +105,9 @@ class BranchMachine(base.ManagerMachine):
             bs = self.specs[group_id].block_size
             if self.is_full(group_id) and end % bs:
                 self.content[table[end // bs]] = (group_id, tuple(tokens[:end]))
+                self.partial_next[table[end // bs]] = \
+                    tuple(tokens[end : end + self.lookahead]) \
+                    if end + self.lookahead <= len(tokens) else None
         for copy in copies:
             if not copy.after_forward:
                 continue
@@ -95,6 +116,8 @@ class BranchMachine(base.ManagerMachine):
             assert got == (copy.group_id, tuple(tokens[:end])), (
                 f"{req_id}: snapshot at {end} copies block {copy.src_block_id} holding {got}")
             self.content[copy.dst_block_id] = got
+            if self.is_full(copy.group_id):
+                self.partial_next[copy.dst_block_id] = self.partial_next.get(copy.src_block_id)
             event("branch snapshot")
 
     def check_hit(self, req_id: str, hit: PrefixHit) -> None:
@@ -113,6 +136,12 @@ class BranchMachine(base.ManagerMachine):
             assert got == (group_id, tuple(tokens[:p])), (
                 f"group {group_id}: snapshot {snapshot.block_id} holds {got}, the hit at "
                 f"{p} needs {tokens[:p]}")
+            if self.is_full(group_id):
+                drafter = self.partial_next.get(snapshot.block_id)
+                assert drafter == tuple(tokens[p : p + self.lookahead]), (
+                    f"group {group_id}: snapshot {snapshot.block_id}'s drafter KV saw "
+                    f"{drafter}, the hit at {p} continues with "
+                    f"{tokens[p : p + self.lookahead]}")
             for idx, block in enumerate(table[:-1]):
                 if self.is_full(group_id):
                     assert self.content.get(block.block_id) == \
@@ -121,7 +150,11 @@ class BranchMachine(base.ManagerMachine):
                     assert block.is_null
         assert p == self.brute_force_hit(tokens, len(tokens) - 1), "hit is not maximal"
         self.num_hits += 1
-        event("hit inside a block")
+        event("hit inside a block" + (" (EAGLE)" if self.lookahead else ""))
+
+    def snapshot_key(self, unit_hash: BlockHash) -> BlockHash:
+        """The index key of the snapshot at a unit whose chained hash is ``unit_hash``."""
+        return unit_hash
 
     def brute_force_hit(self, tokens: Sequence[int], limit: int) -> int:
         """The aligned answer, or a deeper sub-block position whose full-attention blocks
@@ -131,7 +164,7 @@ class BranchMachine(base.ManagerMachine):
         pool = self.manager.pool
         u = self.unit
         for p in range(max(limit, 0) // u * u, aligned, -u):
-            if p % self.align == 0:
+            if p % self.align == 0 or p // u > len(hashes):
                 continue
             ok = True
             for g, spec in enumerate(self.specs):
@@ -139,7 +172,7 @@ class BranchMachine(base.ManagerMachine):
                     view = coarse_hashes(hashes, spec.block_size // u)
                     ok = all(pool.get_cached_block(BlockHash(view[i]), GroupId(g))
                              is not None for i in range(p // spec.block_size))
-                ok = ok and pool.get_cached_block(BlockHash(hashes[p // u - 1]),
+                ok = ok and pool.get_cached_block(self.snapshot_key(hashes[p // u - 1]),
                                                   GroupId(g)) is not None
                 if not ok:
                     break
@@ -201,11 +234,25 @@ TestBranchMachine = BranchMachine.TestCase
 TestBranchMachine.settings = settings(stateful_step_count=200, max_examples=60)
 
 
+class EagleBranchMachine(BranchMachine):
+    """Every setup with EAGLE (lookahead hashes at the hit unit)."""
+
+    @initialize(setup=branch_setups(eagle=True))
+    def init_manager(self, setup: HybridSetup) -> None:
+        super().init_manager(setup)
+        assert self.lookahead == 1
+
+
+TestEagleBranchMachine = EagleBranchMachine.TestCase
+TestEagleBranchMachine.settings = settings(stateful_step_count=200, max_examples=40)
+
+
 def _sabotaged_run(monkeypatch: pytest.MonkeyPatch, target: object, name: str,
-                   replacement: object) -> None:
+                   replacement: object, machine: type[BranchMachine] = BranchMachine,
+                   match: str | None = None) -> None:
     monkeypatch.setattr(target, name, replacement)
-    with pytest.raises(AssertionError):
-        run_state_machine_as_test(BranchMachine, settings=settings(
+    with pytest.raises(AssertionError, match=match):
+        run_state_machine_as_test(machine, settings=settings(
             max_examples=400, stateful_step_count=200, derandomize=True, database=None,
             phases=[Phase.generate], suppress_health_check=list(HealthCheck)))
 
@@ -259,3 +306,47 @@ def test_a_copy_from_the_wrong_block_is_caught(monkeypatch: pytest.MonkeyPatch,
         real(self, req_id, hashes, num_tokens, num_prompt_tokens, junction_tokens)
 
     _sabotaged_run(monkeypatch, HybridCoordinator, "_snapshot_branch_point", wrong_source)
+
+
+def test_sub_block_hits_ignoring_the_lookahead_are_caught(monkeypatch: pytest.MonkeyPatch,
+                                                         pure_python: None) -> None:
+    """Sabotage (EAGLE): snapshots keyed and looked up by lookahead-free ``U``-hashes (the
+    hash of ``[0, p)`` instead of ``[0, p + L)``), as a sub-block cache that ignored EAGLE
+    would: a prompt diverging right at ``p`` gets a snapshot whose drafter KV at slot
+    ``p - 1`` was computed from another token. The drafter check must fail the run."""
+    plain_of: dict[BlockHash, BlockHash] = {}
+    hash_with_lookahead = BlockHasher._hash_with_lookahead
+
+    def recording(self: BlockHasher, token_ids: Sequence[int], prev: BlockHash,
+                  num_full: int, first_block_idx: int, keys: ExtraKeys | None,
+                  ) -> list[BlockHash]:
+        hashes = hash_with_lookahead(self, token_ids, prev, num_full, first_block_idx, keys)
+        plain = BlockHasher(self.block_size, self.algo).hash_blocks(
+            token_ids[: num_full * self.block_size], parent=plain_of.get(prev))
+        plain_of.update(zip(hashes, plain, strict=True))
+        return hashes
+
+    find_partial_hit, take_snapshot = BranchSnapshots.find_partial_hit, \
+        BranchSnapshots.take_snapshot
+
+    def plain_lookup(self: BranchSnapshots, hashes: Sequence[BlockHash],
+                     *args: object) -> object:
+        return find_partial_hit(self, [plain_of.get(h, h) for h in hashes],
+                                *args)  # type: ignore[arg-type]
+
+    def plain_snapshot(self: BranchSnapshots, req_id: ReqId, block_hash: BlockHash,
+                       num_tokens: int, sources: Sequence[Block]) -> bool:
+        return take_snapshot(self, req_id, plain_of.get(block_hash, block_hash), num_tokens,
+                             sources)
+
+    class PlainKeys(EagleBranchMachine):
+        """The oracle's maximality agrees with the sabotaged index, so only the drafter
+        check can object."""
+
+        def snapshot_key(self, unit_hash: BlockHash) -> BlockHash:
+            return plain_of.get(unit_hash, unit_hash)
+
+    monkeypatch.setattr(BlockHasher, "_hash_with_lookahead", recording)
+    monkeypatch.setattr(BranchSnapshots, "find_partial_hit", plain_lookup)
+    _sabotaged_run(monkeypatch, BranchSnapshots, "take_snapshot", plain_snapshot,
+                   PlainKeys, match="drafter")

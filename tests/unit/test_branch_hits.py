@@ -136,10 +136,39 @@ def test_unsuitable_models_and_units_are_refused(layers: list[object], policy: s
     assert err.value.field == field
 
 
-def test_eagle_is_refused() -> None:
+def test_eagle_lookahead_hashes_at_the_hit_unit() -> None:
+    """EAGLE as vLLM 0.33 sets it up by default: each 2-token unit hash also covers the
+    token after the unit (the drafter KV of the unit's last slot was computed from it).
+    a and b diverge at token 12, so the unit ``[10, 12)`` is hashed with different next
+    tokens: the branch point is 10, one unit lower than without EAGLE (12)."""
+    layers = [FullAttentionSpec(BS, 8), RecurrentStateSpec(BS, 32), RecurrentStateSpec(BS, 32)]
+    m = KVCacheManager(CacheConfig.from_layers(layers, 64, use_eagle=True),
+                       "latest+ckpt:branch:2")
+    assert m.config.hash_lookahead_tokens == 1 and m.hasher.lookahead_tokens == 1
+    assert run_prompt(m, "a", [*SYSTEM, 1, 2, 3]) == 0
+    m.add_request("b", [*SYSTEM, 4, 5])
+    m.new_step()
+    hit = m.find_longest_hit("b")
+    assert (hit.num_tokens, hit.junction_tokens) == (8, 10)
+    assert m.align_prefill_chunk("b", 6, hit) == 2
+    assert m.allocate_slots("b", 2, hit) is not None
+    assert [(c.group_id, c.num_tokens, c.after_forward) for c in m.take_block_copies()] \
+        == [(0, 10, True), (1, 10, True), (2, 10, True)]
+    m.new_step()
+    assert m.allocate_slots("b", 4) is not None
+    m.new_step()
+    m.add_request("c", [*SYSTEM, 7, 7, 7])         # shares [0, 12): hits the snapshot
+    assert m.find_longest_hit("c").num_tokens == 10
+    m.add_request("d", [*SYSTEM[:11], 9, 9, 9])    # shares [0, 11): token 10 matches
+    assert m.find_longest_hit("d").num_tokens == 10
+    m.add_request("e", [*SYSTEM[:10], 9, 9, 9])    # diverges at 10: the drafter KV of
+    assert m.find_longest_hit("e").num_tokens == 8  # slot 9 saw another token
+
+
+def test_eagle_drop_mode_is_refused() -> None:
     config = CacheConfig.from_layers([FullAttentionSpec(BS, 8), RecurrentStateSpec(BS, 8)],
-                                     16, use_eagle=True)
-    with pytest.raises(ConfigError, match="EAGLE"):
+                                     16, use_eagle=True, eagle_block_drop=True)
+    with pytest.raises(ConfigError, match="lookahead block hashes only"):
         KVCacheManager(config, "latest+ckpt:branch")
 
 

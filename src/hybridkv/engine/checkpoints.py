@@ -119,3 +119,19 @@ class PagedStateCache:
         slot = self.location[layer_id][1]
         self.conv[slot, block_id].copy_(state.conv)
         self.ssm[slot, block_id].copy_(state.ssm)
+
+    def copy_block(self, *, group_id: int, src_block_id: int, dst_block_id: int) -> None:
+        """``ckpt:branch`` (``BlockCopy``): the checkpoint every layer of group ``group_id``
+        keeps in block ``src_block_id`` into ``dst_block_id`` (a snapshot of the state
+        after a branch point, or a hitting request's private copy of one).
+
+        Raises:
+            InvariantViolation: a block id outside ``[1, num_blocks)``.
+        """
+        for block_id in (src_block_id, dst_block_id):
+            if not 0 < block_id < self.config.num_blocks:
+                raise InvariantViolation(f"group {group_id}: checkpoint copy names block id "
+                                         f"{block_id}, outside [1, {self.config.num_blocks})")
+        layers = len(self.config.groups[group_id].layer_ids)
+        self.conv[:layers, dst_block_id] = self.conv[:layers, src_block_id]
+        self.ssm[:layers, dst_block_id] = self.ssm[:layers, src_block_id]

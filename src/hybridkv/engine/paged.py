@@ -113,3 +113,28 @@ class PagedKVCache:
         """Keys and values ``[N, KVH, D]`` of one layer at ``slots``."""
         slot = self.location[layer_id][1]
         return self.kv[slot, 0].index_select(0, slots), self.kv[slot, 1].index_select(0, slots)
+
+    def copy_block(self, *, group_id: int, src_block_id: int, dst_block_id: int,
+                   num_tokens: int) -> None:
+        """``ckpt:branch`` (``BlockCopy``): the KV of the first ``num_tokens`` slots of page
+        ``src_block_id`` into the same slots of ``dst_block_id``, for every layer of group
+        ``group_id`` (e.g. a snapshot at token 400 of 784-token blocks: slots ``[0, 400)``
+        of the page holding tokens ``[0, 784)``).
+
+        Raises:
+            InvariantViolation: a block id outside ``[1, num_blocks)`` or ``num_tokens``
+                outside ``[0, block_size)``.
+        """
+        group = self.config.groups[group_id]
+        bs = group.spec.block_size
+        for block_id in (src_block_id, dst_block_id):
+            if not 0 < block_id < self.config.num_blocks:
+                raise InvariantViolation(f"group {group_id}: block copy names block id "
+                                         f"{block_id}, outside [1, {self.config.num_blocks})")
+        if not 0 <= num_tokens < bs:
+            raise InvariantViolation(f"group {group_id}: a block copy of {num_tokens} slots "
+                                     f"does not fit inside a block of {bs}")
+        src = src_block_id * self.page_tokens
+        dst = dst_block_id * self.page_tokens
+        layers = len(group.layer_ids)
+        self.kv[:layers, :, dst : dst + num_tokens] = self.kv[:layers, :, src : src + num_tokens]

@@ -13,6 +13,12 @@ Window-recompute bridges (policies with ``+recompute``) need nothing from the lo
 request's ``KVCacheManager.prefill_plan``: ``engine.bridge.chunk_span`` turns it into the
 keys each chunk reads and the K/V it writes (full layers never write below the cached end).
 
+Sub-block hits (``ckpt:branch``) add block copies (``KVCacheManager.take_block_copies``,
+drained right after ``schedule()``): copy-on-write copies run before the forward pass (a
+hitting request's private copy of a snapshot: the KV slots ``[p // bs * bs, p)`` of a
+full-attention page, or a recurrent group's state after ``p`` tokens), snapshot copies
+after it (a branch point's KV / state, which the step itself writes).
+
 Chunks run in plan order inside each layer, so a request admitted in the same step as the
 request that writes its hit blocks reads them after they are written. Token ids are
 reduced modulo the vocabulary for the embedding; the cache manager hashes the original ids.
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridkv.branch import BlockCopy
 from hybridkv.cache import KVCacheManager, PrefillPlan
 from hybridkv.config import CacheConfig
 from hybridkv.engine.attention import AttentionFn, AttentionRule, reference_attention
@@ -55,6 +62,10 @@ class RequestRecord:
         admitted_s / first_token_s: ``time.perf_counter()`` at the start of the step that
             first admitted the request, and after the step that sampled its first token
             (device synchronised).
+        eligible_step / admitted_step: the scheduler's steps (1-based) at which the request
+            became eligible (its session's previous request finished, its phase opened) and
+            was first admitted; the admission order decides what happens in between.
+        eligible_s: ``time.perf_counter()`` at the start of step ``eligible_step``.
     """
 
     req_id: str
@@ -66,6 +77,9 @@ class RequestRecord:
     num_computed_tokens: int = 0
     admitted_s: float | None = None
     first_token_s: float | None = None
+    eligible_step: int | None = None
+    admitted_step: int | None = None
+    eligible_s: float | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -73,6 +87,14 @@ class RequestRecord:
         if self.admitted_s is None or self.first_token_s is None:
             return None
         return self.first_token_s - self.admitted_s
+
+    @property
+    def queued_ttft_s(self) -> float | None:
+        """Seconds from eligibility to the first sampled token: the TTFT a client sees,
+        waiting in the queue included (what an admission order changes)."""
+        if self.eligible_s is None or self.first_token_s is None:
+            return None
+        return self.first_token_s - self.eligible_s
 
 
 @dataclass(slots=True)
@@ -89,6 +111,10 @@ class RunResult:
     wall_s: float
     bridge_tokens: int = 0
     """Tokens recomputed by window-recompute bridges (the manager's ``stats``)."""
+    block_copies: int = 0
+    """``ckpt:branch`` block copies run (snapshots and copy-on-write hits, per group)."""
+    sub_block_hits: int = 0
+    """``ckpt:branch`` admissions whose hit ends inside a block (copy-on-write hits)."""
 
     @property
     def total_hit_tokens(self) -> int:
@@ -130,6 +156,18 @@ class _Work:
 def vocab_ids(token_ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
     """Embedding rows of (possibly huge) token ids: ``id mod vocab_size``."""
     return (torch.tensor(token_ids, dtype=torch.int64) % vocab_size).to(device)
+
+
+def _note_waits(records: dict[str, RequestRecord], scheduler: Scheduler,
+                step_starts: Sequence[float]) -> None:
+    """Copy each request's eligibility and first admission step from the scheduler, and
+    the wall time of its eligibility step (``step_starts[i]``: start of step ``i + 1``)."""
+    for req_id, record in records.items():
+        request = scheduler.requests[req_id]
+        record.eligible_step, record.admitted_step = request.eligible_step, \
+            request.admitted_step
+        if request.eligible_step is not None:
+            record.eligible_s = step_starts[request.eligible_step - 1]
 
 
 def _copy_request(request: SchedRequest) -> SchedRequest:
@@ -248,8 +286,11 @@ class EngineRunner:
                                                     len(request.prompt_token_ids))
         run_started = time.perf_counter()
         computed = 0
+        num_copies = sub_block_hits = 0
+        step_starts: list[float] = []
         while scheduler.has_unfinished:
             step_started = time.perf_counter()
+            step_starts.append(step_started)
             plan = scheduler.schedule()
             if not plan.chunks:
                 raise CapacityError(
@@ -261,10 +302,15 @@ class EngineRunner:
                 computed += chunk.num_new_tokens
                 if chunk.req_id in plan.admitted:
                     record.hit_tokens.append(chunk.num_hit_tokens)
+                    sub_block_hits += manager.coordinator.is_partial_hit(chunk.num_hit_tokens)
                     record.prefill_plans.append(manager.prefill_plan(chunk.req_id))
                     if record.admitted_s is None:
                         record.admitted_s = step_started
+            copies = manager.take_block_copies()
+            num_copies += len(copies)
+            self.copy_blocks([c for c in copies if not c.after_forward])
             sampled = self._execute(manager, plan, records)
+            self.copy_blocks([c for c in copies if c.after_forward])
             step_done = time.perf_counter()
             for req_id, token in sampled.items():
                 record = records[req_id]
@@ -276,10 +322,28 @@ class EngineRunner:
                 observer.on_step(manager, scheduler)
         for observer in opts.observers:
             observer.detach(manager, scheduler, None)
+        _note_waits(records, scheduler, step_starts)
         stats = manager.stats
         return RunResult(opts.policy, records, scheduler.num_steps, scheduler.num_preemptions,
                          stats.queries, stats.hits, computed,
-                         time.perf_counter() - run_started, stats.bridge_tokens)
+                         time.perf_counter() - run_started, stats.bridge_tokens, num_copies,
+                         sub_block_hits)
+
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """Run ``ckpt:branch`` block copies in order: a recurrent group's checkpoint, or
+        the full-attention KV of the copy's position inside its block (``num_tokens % bs``
+        slots: a copy at token 400 of 784-token blocks moves slots ``[0, 400)``)."""
+        for copy in copies:
+            if copy.group_id in self.state_cache.group_ids:
+                self.state_cache.copy_block(group_id=copy.group_id,
+                                            src_block_id=copy.src_block_id,
+                                            dst_block_id=copy.dst_block_id)
+            else:
+                bs = self.cache_config.groups[copy.group_id].spec.block_size
+                self.kv_cache.copy_block(group_id=copy.group_id,
+                                         src_block_id=copy.src_block_id,
+                                         dst_block_id=copy.dst_block_id,
+                                         num_tokens=copy.num_tokens % bs)
 
     def _execute(self, manager: KVCacheManager, plan: StepPlan,
                  records: dict[str, RequestRecord]) -> dict[str, int]:

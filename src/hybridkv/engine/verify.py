@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 DEFAULT_ATOL = 1e-9
 DEFAULT_POLICIES = ("dense", "reachable", "prepend", "latest", "interval:32", "pin:64",
                     "latest+recompute", "interval:32+recompute")
+BRANCH_POLICIES = ("latest+ckpt:branch", "prepend+ckpt:branch:4")
+"""Sub-block hits (``ckpt:branch``: branch-point snapshots, copy-on-write hits inside a
+block), added to the default policies of models made of full attention and Gated DeltaNet
+layers only (``--pattern qwen3-next``): the models ``ckpt:branch`` serves."""
 PATTERNS = ("gemma3", "alternating", "llama4", "mixed", "v4", "qwen3-next",
             "recurrent-mixed")
 """Layer patterns of ``--pattern`` (``all`` runs each in turn): ``qwen3-next`` is Gated
@@ -84,6 +88,10 @@ class PolicyOutcome:
     """Tokens recomputed by window-recompute bridges (manager ``stats.bridge_tokens``)."""
     cold_bridges: int = 0
     """Admissions whose bridge started cold (window KV before the hit missing)."""
+    sub_block_hits: int = 0
+    """``ckpt:branch``: admissions whose hit ends inside a block (copy-on-write)."""
+    block_copies: int = 0
+    """``ckpt:branch``: block copies the engine ran (snapshots and copy-on-write)."""
 
     @property
     def label(self) -> str:
@@ -99,6 +107,9 @@ class PolicyOutcome:
                 f"preemptions {self.num_preemptions:>2}  "
                 f"bridges {self.bridge_tokens:>4} tok ({self.cold_bridges} cold)  "
                 f"max|dlogit| {self.max_logit_diff:.1e}")
+        if self.block_copies:
+            head += (f"  sub-block hits {self.sub_block_hits} "
+                     f"({self.block_copies} block copies)")
         if self.identical:
             return f"{head}  identical"
         return f"{head}  DIVERGED ({len(self.divergences)}): {self.divergences[0]}"
@@ -199,7 +210,8 @@ def run_verify(model: HybridDecoder, workload: Sequence[SchedRequest], *,
             outcomes.append(PolicyOutcome(
                 policy, use_eagle, result.prompt_tokens, result.hit_tokens,
                 result.total_hit_tokens - result.hit_tokens, result.num_preemptions, worst,
-                errors, result.bridge_tokens, result.num_cold_bridges))
+                errors, result.bridge_tokens, result.num_cold_bridges, result.sub_block_hits,
+                result.block_copies))
     return VerifyReport(s.atol, baseline.num_steps, baseline.num_preemptions, outcomes)
 
 
@@ -269,9 +281,11 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         default=DEFAULT_TRACE_MAX_TOKENS,
                         help="with --trace: keep every s-th prompt token so the longest "
                              f"prompt has at most this many (default {DEFAULT_TRACE_MAX_TOKENS})")
-    parser.add_argument("--policy", default=",".join(DEFAULT_POLICIES), type=non_empty_str,
+    parser.add_argument("--policy", default=None, type=non_empty_str,
                         help="retention policies, comma separated "
-                             f"(default: {','.join(DEFAULT_POLICIES)}; 'core' = "
+                             f"(default: {','.join(DEFAULT_POLICIES)}, plus "
+                             f"{','.join(BRANCH_POLICIES)} for models of full attention "
+                             "and Gated DeltaNet layers; 'core' = "
                              f"{','.join(CORE_POLICIES)})")
     parser.add_argument("--eagle", action="store_true",
                         help="also run every policy in EAGLE drop mode")
@@ -328,6 +342,24 @@ def _policies(text: str) -> list[str]:
             names.append(item)
     if not names:
         raise ConfigError("--policy", text, "name at least one policy")
+    return names
+
+
+def _default_policies(kinds: Sequence[str], args: argparse.Namespace) -> list[str]:
+    """``--policy`` left out: ``DEFAULT_POLICIES``, plus ``BRANCH_POLICIES`` where the
+    model suits ``ckpt:branch`` (full attention and Gated DeltaNet layers, one block size).
+
+    >>> ns = argparse.Namespace(full_block_size=None, block_size=8)
+    >>> len(_default_policies(("linear_attention", "full_attention"), ns))
+    10
+    >>> len(_default_policies(("sliding_attention", "full_attention"), ns))
+    8
+    """
+    names = list(DEFAULT_POLICIES)
+    one_block = args.full_block_size in (None, args.block_size)
+    if one_block and "linear_attention" in kinds \
+            and set(kinds) <= {"linear_attention", "full_attention"}:
+        names.extend(BRANCH_POLICIES)
     return names
 
 
@@ -423,7 +455,9 @@ def _run_verify_command(args: argparse.Namespace) -> int:
             workload = make_engine_workload(args.workload, alignment_tokens=pattern_alignment,
                                             seed=args.seed)
             source = f"workload {args.workload}"
-        report = run_verify(model, workload, policies=_policies(args.policy), eagle=args.eagle,
+        policies = _default_policies(kinds, args) if args.policy is None \
+            else _policies(args.policy)
+        report = run_verify(model, workload, policies=policies, eagle=args.eagle,
                             settings=settings, attention=attention,
                             runner_factory=runner_factory)
         print(f"verify: {source}, {len(workload)} requests, pattern {pattern} {kinds}, "
