@@ -11,13 +11,21 @@ default) and a hit may end at any multiple of ``u``:
   ``J``. (The replay boundary stays vLLM's block-floored one: a second snapshot at the
   ``u``-floored prompt end cost more pool than resends won back, docs/benchmarks.md.)
 - **Branch snapshots.** When a step ends at such a point ``p`` inside a block
-  (``p % bs != 0``), one fresh block per group is hashed under the ``u``-hash of ``[0, p)``:
-  a full-attention group's snapshot receives a copy of the KV of ``[p // bs * bs, p)`` from
-  the request's block (in the same slots), a recurrent group's the state after ``p``
-  tokens. The copies run after the step's forward pass (``BlockCopy.after_forward``); the
-  producer holds the snapshots until its next step and lookups skip them until the next
-  scheduler step. Block-aligned branch points need no snapshot: the step leaves the
-  ordinary checkpoint there, and the retention masks keep it as a junction.
+  (``p % bs != 0``), one fresh block per recurrent group is hashed under the ``u``-hash of
+  ``[0, p)`` and receives the state after ``p`` tokens. Full attention needs no block of
+  its own when the producer's prompt fills its block ``k = p // bs``: that block, cached
+  under its own full-block hash ``H_k``, holds the KV of ``[k * bs, p)`` for good (KV slots
+  are never rewritten), so the snapshot records the *alias* ``p → H_k`` and a hit copies
+  from whichever block the index holds under ``H_k`` (every block with that hash shares
+  the prefix ``[0, p)``). Three blocks on qwen3.5-27b, as vLLM's block-floored junction
+  checkpoint. Only a prompt ending inside block ``k`` gets a full-attention snapshot
+  block (a copy of the KV of ``[k * bs, p)`` from the request's block, same slots). The
+  copies run after the step's forward pass (``BlockCopy.after_forward``); the producer
+  holds the snapshots until its next step and lookups skip them until the next scheduler
+  step — and skip an alias whose block was hashed in the current step (its KV may be
+  written only by this step's forward pass). Block-aligned branch points need no
+  snapshot: the step leaves the ordinary checkpoint there, and the retention masks keep
+  it as a junction.
 - **Copy-on-write hits.** A hit at ``p`` inside block ``k = p // bs`` hands out the
   full-attention blocks ``[0, k)``, then each group's snapshot. The hitting request must
   write tokens ``[p, (k + 1) * bs)`` into block ``k`` of its own, so at admission every
@@ -28,9 +36,13 @@ default) and a hit may end at any multiple of ``u``:
 
 Worked example (bs 784, ``u`` 16; a 400-token system prompt S, then users' questions):
 request 1 (S + 120 tokens) misses; request 2 (S + 90) shares 400 tokens with it (seen),
-misses, stops its first chunk at 400 and leaves snapshots there; request 3 (S + 200) hits
+misses, stops its first chunk at 400 and leaves snapshots there (its prompt ends inside
+block 0: a full-attention snapshot block too, 4 blocks); request 3 (S + 200) hits
 400 tokens: full-attention table ``[copy of snapshot]`` (400 tokens of KV copied),
-recurrent tables ``[copy of the state after 400]``.
+recurrent tables ``[copy of the state after 400]``. With a 2,000-token S' shared up to
+1,900 instead, the producer's block 2 (``[1568, 2352)``) becomes full and cached as
+``H_2``: the snapshot at 1,900 is 3 recurrent blocks plus the alias ``1900 → H_2``, and a
+hit copies the KV of ``[1568, 1900)`` out of that block.
 """
 
 from __future__ import annotations
@@ -112,16 +124,32 @@ class BranchSnapshots:
     """Snapshot blocks and copy-on-write sources of ``ckpt:branch`` (see the module doc).
 
     Invariants (``check_invariants``): every held block is non-null with ``ref_count >= 1``
-    (the pool's reference counts include these holds: ``HybridCoordinator.holders``).
+    (the pool's reference counts include these holds: ``HybridCoordinator.holders``); a
+    snapshot waiting for its aliased block is held; the alias map holds at most
+    ``alias_capacity`` entries.
     """
 
     def __init__(self, pool: BlockPool, unit_tokens: int, block_size: int,
-                 group_ids: Sequence[GroupId], seen_capacity: int) -> None:
+                 group_ids: Sequence[GroupId], seen_capacity: int,
+                 full_group_ids: Sequence[GroupId] = ()) -> None:
         self.pool = pool
         self.unit_tokens = unit_tokens
         self.block_size = block_size
         self.group_ids = tuple(group_ids)
+        self.full_group_ids = frozenset(full_group_ids)
+        """Full-attention groups: their part of a snapshot may be an alias."""
         self.seen = SeenPrefixes(seen_capacity)
+        self.aliases: OrderedDict[BlockHash, BlockHash] = OrderedDict()
+        """Snapshot ``u``-hash of ``[0, p)`` → the full-block hash ``H_k`` whose cached
+        full-attention block holds the KV of ``[k * bs, p)`` (LRU, ``alias_capacity``)."""
+        self.alias_capacity = max(pool.num_blocks, 1)
+        self.waiting_alias: dict[int, BlockHash] = {}
+        """Snapshot block id → the full-block hash its alias needs: the producer keeps
+        holding it until that block is cached (so an eviction policy never sees a snapshot
+        whose full-attention part does not exist yet)."""
+        self.fresh_full: set[int] = set()
+        """Full-attention blocks hashed in the current step (their KV may be written only
+        by this step's forward pass: not yet a copy source)."""
         self.held: dict[ReqId, list[Block]] = {}
         """Per request: snapshots it produced or copied from in its last step."""
         self.fresh: set[int] = set()
@@ -152,13 +180,17 @@ class BranchSnapshots:
         getters = [self.pool.group_index(g).get for g in self.group_ids]
         full_ids = set(full_group_ids)
         null = self.pool.null_block
+        aliases = self.aliases
         for j in range(hi, lo, -1):
             if j % ratio == 0:
                 continue
             block_hash = hashes[j - 1]
+            alias = aliases.get(block_hash)
             found: list[Block] = []
-            for get in getters:
+            for gid, get in zip(self.group_ids, getters, strict=True):
                 block = get(block_hash)
+                if block is None and alias is not None and gid in self.full_group_ids:
+                    block = get(alias)
                 if block is None:
                     break
                 found.append(block)
@@ -175,31 +207,74 @@ class BranchSnapshots:
     def is_fresh(self, snapshots: Sequence[Block]) -> bool:
         """A snapshot among these was taken this step (its content exists only after the
         step's forward pass)."""
-        return any(block.block_id in self.fresh for block in snapshots)
+        return any(block.block_id in self.fresh or block.block_id in self.fresh_full
+                   for block in snapshots)
+
+    def full_source(self, block_hash: BlockHash, group_id: GroupId) -> Block | None:
+        """The block a hit at the snapshot ``block_hash`` copies full-attention KV from:
+        the group's own snapshot block, else the cached block of the alias's full-block
+        hash (``None``: neither is cached)."""
+        index = self.pool.group_index(group_id)
+        block = index.get(block_hash)
+        alias = self.aliases.get(block_hash)
+        if block is None and alias is not None:
+            block = index.get(alias)
+        return block
+
+    def note_full_hashed(self, blocks: Sequence[Block]) -> None:
+        """Full-attention blocks hashed in this step: no alias copies from them before the
+        next step."""
+        self.fresh_full.update(block.block_id for block in blocks)
 
     # ---------------------------------------------------------------- updates
     def take_snapshot(self, req_id: ReqId, block_hash: BlockHash, num_tokens: int,
-                      sources: Sequence[Block]) -> bool:
+                      sources: Sequence[Block], full_hash: BlockHash | None = None,
+                      parent_hash: BlockHash | None = None) -> bool:
         """Snapshot the step ending at ``num_tokens`` (inside a block) into one fresh block
         per group, hashed under ``block_hash``; ``sources``: per group, the request's block
-        holding that position's content. Skipped (``False``) when every group already has
-        it or the pool cannot spare the blocks (at least as many must stay free)."""
+        holding that position's content. ``full_hash``: the full-block hash the request's
+        block ``k`` will be cached under (its prompt fills the block): full-attention
+        groups then get the alias instead of a block. ``parent_hash``: the full-attention
+        hash the snapshot's full-attention block extends (chain-aware eviction: recurrent
+        states depend on that block, or on the aliased one). Skipped (``False``) when every
+        group already has it or the pool cannot spare the blocks (at least as many must
+        stay free)."""
         pool = self.pool
-        if all(pool.group_index(g).get(block_hash) is not None for g in self.group_ids):
+        pairs = [(g, s) for g, s in zip(self.group_ids, sources, strict=True)
+                 if full_hash is None or g not in self.full_group_ids]
+        if full_hash is not None:
+            self._alias(block_hash, full_hash)
+        if all(pool.group_index(g).get(block_hash) is not None for g, _ in pairs):
             return False
-        num = len(self.group_ids)
+        num = len(pairs)
         if pool.num_free_blocks < 2 * num:
             return False
         blocks = pool.allocate(num)
         partial = num_tokens % self.block_size
-        for gid, block, src in zip(self.group_ids, blocks, sources, strict=True):
-            pool.cache_block(block, block_hash, gid)
+        copied = False
+        for (gid, src), block in zip(pairs, blocks, strict=True):
+            if gid in self.full_group_ids:  # the snapshot extends the chain at k * bs
+                pool.cache_block(block, block_hash, gid, parent_hash)
+            elif full_hash is None:  # a state needs the full-attention snapshot
+                pool.cache_block(block, block_hash, gid, block_hash)
+            else:  # a state needs the aliased full-attention block
+                pool.cache_block(block, block_hash, gid, full_hash)
+                self.waiting_alias[block.block_id] = full_hash
             self.fresh.add(block.block_id)
             self.copies.append(BlockCopy(gid, src.block_id, block.block_id, num_tokens, True))
+            copied = copied or gid in self.full_group_ids
         self.held.setdefault(req_id, []).extend(blocks)
         self.num_snapshots += 1
-        self.copied_tokens += partial
+        if copied:
+            self.copied_tokens += partial
         return True
+
+    def _alias(self, block_hash: BlockHash, full_hash: BlockHash) -> None:
+        aliases = self.aliases
+        aliases[block_hash] = full_hash
+        aliases.move_to_end(block_hash)
+        while len(aliases) > self.alias_capacity:
+            aliases.popitem(last=False)
 
     def copy_on_write(self, req_id: ReqId, snapshots: Sequence[Block], num_tokens: int,
                       ) -> list[Block]:
@@ -216,15 +291,32 @@ class BranchSnapshots:
         self.copied_tokens += num_tokens % self.block_size
         return fresh
 
-    def release(self, req_id: ReqId) -> None:
-        """The request's step ran (or it left): its snapshots and copy sources go back to
-        the cache (most recently used end of the free queue)."""
+    def release(self, req_id: ReqId, final: bool = False) -> None:
+        """The request's step ran (or, ``final``, it left): its snapshots and copy sources
+        go back to the cache (most recently used end of the free queue) — except, while
+        it runs, snapshots whose aliased full-attention block is not cached yet."""
         blocks = self.held.pop(req_id, None)
+        if not blocks:
+            return
+        waiting = self.waiting_alias
+        if waiting:
+            kept = [] if final else [b for b in blocks if b.block_id in waiting
+                                     and not self._is_cached(waiting[b.block_id])]
+            if kept:
+                self.held[req_id] = kept
+                blocks = [b for b in blocks if b not in kept]
+            for block in blocks:
+                waiting.pop(block.block_id, None)
         if blocks:
             self.pool.free_blocks(blocks, FreeTier.HEAD, FreeTier.TAIL)
 
+    def _is_cached(self, full_hash: BlockHash) -> bool:
+        return all(self.pool.group_index(g).get(full_hash) is not None
+                   for g in self.full_group_ids)
+
     def new_step(self) -> None:
         self.fresh.clear()
+        self.fresh_full.clear()
         self.copies.clear()
 
     def take_copies(self) -> list[BlockCopy]:
@@ -242,3 +334,10 @@ class BranchSnapshots:
             for block in blocks:
                 if block.is_null or block.ref_count < 1:
                     raise InvariantViolation(f"ckpt:branch: {req_id!r} holds {block!r}")
+        held_ids = {b.block_id for blocks in self.held.values() for b in blocks}
+        if not held_ids.issuperset(self.waiting_alias):
+            raise InvariantViolation("ckpt:branch: a snapshot waiting for its alias is not "
+                                     "held")
+        if len(self.aliases) > self.alias_capacity:
+            raise InvariantViolation(f"ckpt:branch: {len(self.aliases)} aliases, capacity "
+                                     f"{self.alias_capacity}")

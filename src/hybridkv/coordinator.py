@@ -19,6 +19,7 @@ from hybridkv.block import Block
 from hybridkv.branch import BranchSnapshots
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
+from hybridkv.eviction import ROOT_PARENT
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers import MANAGER_FOR_SPEC, GroupManager, coarse_hashes
 from hybridkv.managers.chunked import ChunkedLocalManager
@@ -422,6 +423,10 @@ class HybridCoordinator:
         aligned = (num_tokens // align) * align
         for step_manager in self._step_managers:
             step_manager.note_computed(req_id, num_tokens)
+        branch = self.branch
+        if branch is not None:  # full-attention blocks hashed now are not alias sources yet
+            first_new = [m.num_cached_blocks.get(req_id, 0) if m.is_full_attention else 0
+                         for m in self.managers]
         for unit in self._units:
             manager = unit.members[0] if isinstance(unit, SiblingBatch) else unit
             if manager.group_id in self.replayed_group_ids:
@@ -438,7 +443,11 @@ class HybridCoordinator:
                     boundaries = (*boundaries, junction_tokens - manager.block_size)
             unit.cache_blocks(req_id, hashes, self.hash_block_size, cacheable, boundaries,
                               bridge_end_tokens)
-        if self.branch is not None:
+        if branch is not None:
+            for manager, first in zip(self.managers, first_new, strict=True):
+                if manager.is_full_attention:
+                    branch.note_full_hashed(
+                        manager.tables[req_id][first:manager.num_cached_blocks.get(req_id, 0)])
             self._snapshot_branch_point(req_id, hashes, num_tokens, num_prompt_tokens,
                                         junction_tokens)
 
@@ -446,7 +455,8 @@ class HybridCoordinator:
                                num_tokens: int, num_prompt_tokens: int,
                                junction_tokens: int) -> None:
         """``ckpt:branch``: a prefill step ending inside a block at the junction (branch
-        point) leaves a snapshot there."""
+        point) leaves a snapshot there: recurrent states, and full-attention KV as an alias
+        of the request's block ``k`` when its prompt fills that block."""
         branch = self.branch
         assert branch is not None
         u, bs = branch.unit_tokens, branch.block_size
@@ -457,7 +467,12 @@ class HybridCoordinator:
             return
         sources = [m.tables[req_id][-1] if isinstance(m, RecurrentStateManager)
                    else m.tables[req_id][p // bs] for m in self.managers]
-        branch.take_snapshot(req_id, hashes[p // u - 1], p, sources)
+        k, ratio = p // bs, bs // u
+        full_end = (k + 1) * ratio  # units up to the end of block k
+        full_hash = hashes[full_end - 1] \
+            if (k + 1) * bs <= num_prompt_tokens and full_end <= len(hashes) else None
+        parent = hashes[k * ratio - 1] if k else ROOT_PARENT
+        branch.take_snapshot(req_id, hashes[p // u - 1], p, sources, full_hash, parent)
 
     def free(self, req_id: ReqId, session_id: str | None = None,
              num_output_tokens: int | None = None) -> None:
@@ -467,7 +482,7 @@ class HybridCoordinator:
         self._next_release.pop(req_id, None)
         self._covered_tokens.pop(req_id, None)
         if self.branch is not None:
-            self.branch.release(req_id)
+            self.branch.release(req_id, final=True)
         eviction = self.pool.eviction
         if eviction is not None:  # never batched (see _make_units)
             eviction.start_release(self.pool, session_id, num_output_tokens)
@@ -579,7 +594,8 @@ def _make_branch(config: CacheConfig, pool: BlockPool, checkpoints: str,
                           f"{unit} (KVCacheManager does it for a policy name)")
     capacity = min(max(4 * config.num_blocks * block_size // unit, 1 << 16), 1 << 22)
     return BranchSnapshots(pool, unit, block_size, [g.group_id for g in config.groups],
-                           capacity)
+                           capacity, [g.group_id for g in config.groups
+                                      if isinstance(g.spec, FullAttentionSpec)])
 
 
 def _eagle_group_ids(config: CacheConfig) -> set[int]:

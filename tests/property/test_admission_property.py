@@ -99,10 +99,14 @@ def test_every_order_finishes_and_keeps_its_guard(
     scheduler, plans = _run(layers, requests, admission, slack, max_running, chunk_size,
                             lookahead_requests)
     admitted = [req_id for plan in plans for req_id in plan.admitted]
+    longest = max(len(r.prompt_token_ids) + r.max_output_tokens for r in requests)
     assert sorted(set(admitted)) == sorted(r.req_id for r in requests)
     for request in requests:
         assert request.admitted_step is not None and request.eligible_step is not None
         assert request.admitted_step >= request.eligible_step
-        assert request.num_overtaken <= scheduler.guard.bound
+        guard = scheduler.guard
+        assert request.num_overtaken <= guard.max_admissions
+        assert request.num_overtaken <= guard.free_admissions or \
+            request.overtaken_tokens < guard.max_prefill_tokens + longest
         if admission == "fcfs":
-            assert request.num_overtaken == 0
+            assert request.num_overtaken == request.overtaken_tokens == 0

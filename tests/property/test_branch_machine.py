@@ -15,6 +15,11 @@ At a hit inside a block, every group hands out a snapshot whose content is exact
 the prefix ``[0, p)`` (the state after ``p`` tokens; the KV of ``[p // bs * bs, p)``),
 the full-attention blocks before it their own prefixes, and the hit is maximal over
 block-aligned and sub-block positions (brute force over the hash index).
+A full-attention part served by an alias (the producer's block ``k``, full, cached under
+its own hash) must hold the KV of a prompt that agrees with the hitter's on ``[0, p)`` and
+be block ``k`` of it: its slots ``[k * bs, p)`` are then exactly the hitter's (with EAGLE,
+the drafter KV of slot ``p - 1`` came from that prompt's token ``p``: it must be the
+hitter's too).
 """
 
 from __future__ import annotations
@@ -80,12 +85,12 @@ class BranchMachine(base.ManagerMachine):
             if copy.after_forward:
                 continue  # copy-on-write hit: before the forward pass
             got = self.content.get(copy.src_block_id)
-            assert got == (copy.group_id, tuple(tokens[: copy.num_tokens])), (
+            assert self.serves(got, copy.group_id, tokens, copy.num_tokens), (
                 f"{req_id}: copy-on-write from block {copy.src_block_id} holding {got}")
             assert copy.num_tokens == start
-            self.content[copy.dst_block_id] = got
+            self.content[copy.dst_block_id] = (copy.group_id, tuple(tokens[:start]))
             if self.is_full(copy.group_id):
-                drafter = self.partial_next.get(copy.src_block_id)
+                drafter = self.drafter_at(copy.src_block_id, got, start)
                 assert drafter == tuple(tokens[start : start + self.lookahead]), (
                     f"{req_id}: copy-on-write at {start} from a snapshot whose drafter saw "
                     f"{drafter}, the request continues with "
@@ -133,11 +138,13 @@ class BranchMachine(base.ManagerMachine):
             snapshot = table[-1]
             assert not snapshot.is_null and snapshot.hash_group_id == group_id
             got = self.content.get(snapshot.block_id)
-            assert got == (group_id, tuple(tokens[:p])), (
+            if self.is_full(group_id) and got != (group_id, tuple(tokens[:p])):
+                event("hit through a full-attention alias")
+            assert self.serves(got, group_id, tokens, p), (
                 f"group {group_id}: snapshot {snapshot.block_id} holds {got}, the hit at "
                 f"{p} needs {tokens[:p]}")
             if self.is_full(group_id):
-                drafter = self.partial_next.get(snapshot.block_id)
+                drafter = self.drafter_at(snapshot.block_id, got, p)
                 assert drafter == tuple(tokens[p : p + self.lookahead]), (
                     f"group {group_id}: snapshot {snapshot.block_id}'s drafter KV saw "
                     f"{drafter}, the hit at {p} continues with "
@@ -156,6 +163,34 @@ class BranchMachine(base.ManagerMachine):
         """The index key of the snapshot at a unit whose chained hash is ``unit_hash``."""
         return unit_hash
 
+    def serves(self, got: object, group_id: int, tokens: Sequence[int], p: int) -> bool:
+        """Whether a block holding ``got`` serves a hit at ``p`` inside a block: exactly
+        the prefix ``[0, p)``, or (full attention, an alias) block ``p // bs`` of a longer
+        prompt that agrees with ``tokens`` on ``[0, p)``."""
+        if got == (group_id, tuple(tokens[:p])):
+            return True
+        if not self.is_full(group_id) or not isinstance(got, tuple) or got[0] != group_id:
+            return False
+        bs = self.specs[group_id].block_size
+        held = got[1]
+        return len(held) == (p // bs + 1) * bs and tuple(held[:p]) == tuple(tokens[:p])
+
+    def drafter_at(self, block_id: int, got: object, p: int) -> tuple[int, ...] | None:
+        """The tokens the drafter KV of slot ``p - 1`` of a full-attention source block
+        was computed from: a partial snapshot's recorded ones, or (an alias: a full
+        block of a longer prompt) that prompt's own ``[p, p + L)``."""
+        assert isinstance(got, tuple)
+        held = got[1]
+        if len(held) == p:
+            return self.partial_next.get(block_id)
+        seen = tuple(held[p : p + self.lookahead])
+        if len(seen) < self.lookahead:  # past the block: what its last slot's drafter saw
+            after = self.drafter_next.get(block_id)
+            if after is None:
+                return None
+            seen += tuple(after[: self.lookahead - len(seen)])
+        return seen
+
     def brute_force_hit(self, tokens: Sequence[int], limit: int) -> int:
         """The aligned answer, or a deeper sub-block position whose full-attention blocks
         before it and snapshots in every group are in the hash index."""
@@ -172,8 +207,12 @@ class BranchMachine(base.ManagerMachine):
                     view = coarse_hashes(hashes, spec.block_size // u)
                     ok = all(pool.get_cached_block(BlockHash(view[i]), GroupId(g))
                              is not None for i in range(p // spec.block_size))
-                ok = ok and pool.get_cached_block(self.snapshot_key(hashes[p // u - 1]),
-                                                  GroupId(g)) is not None
+                key = self.snapshot_key(hashes[p // u - 1])
+                branch = self.manager.coordinator.branch
+                assert branch is not None
+                ok = ok and (pool.get_cached_block(key, GroupId(g)) is not None
+                             or (self.is_full(g) and branch.full_source(key, GroupId(g))
+                                 is not None))
                 if not ok:
                     break
             if ok:
@@ -208,6 +247,33 @@ class BranchMachine(base.ManagerMachine):
         num_new = self.manager.align_prefill_chunk(req_id, remaining)
         if num_new:
             self.step(pick, num_new, [0], 0)
+
+    @precondition(lambda self: len(self.manager.request_ids) < base.MAX_REQUESTS
+                  and bool(self.sequences))
+    @rule(pick=st.integers(0, 10**6), at=st.integers(1, base.MAX_PROMPT),
+          extra=st.integers(0, 12))
+    def add_branching_request(self, pick: int, at: int, extra: int) -> None:
+        """A prompt that leaves a computed one at a unit inside a block and runs past the
+        end of that block: its branch-point snapshot aliases its own full block (a later
+        branching at the same point hits through the alias)."""
+        seqs = [s for s in self.sequences.values() if len(s) > self.unit]
+        if not seqs:
+            return
+        seq = seqs[pick % len(seqs)]
+        j = at % len(seq) // self.unit * self.unit
+        if j == 0 or j % self.align == 0:
+            return
+        block_end = (j // self.align + 1) * self.align
+        fill = (pick // 2) % 3  # two branchings at one point may diverge right there
+        tokens = [*seq[:j], (seq[j] + 1 + pick % 2) % 3, *[fill] * (block_end - j + extra)]
+        tokens = tokens[: base.MAX_PROMPT]
+        if len(tokens) <= block_end:
+            return
+        req_id = f"r{self.next_id}"
+        self.next_id += 1
+        self.manager.add_request(req_id, tokens)
+        self.prompt_len[req_id] = len(tokens)
+        event("branching request")
 
     @rule(pick=st.integers(0, 10**6), cut=st.integers(0, base.MAX_PROMPT), go=st.integers(0, 2))
     def evict_prefix(self, pick: int, cut: int, go: int) -> None:
@@ -264,10 +330,11 @@ def test_a_snapshot_of_the_wrong_position_is_caught(monkeypatch: pytest.MonkeyPa
     original = BranchSnapshots.take_snapshot
 
     def shifted(self: BranchSnapshots, req_id: ReqId, block_hash: BlockHash,
-                num_tokens: int, sources: Sequence[Block]) -> bool:
+                num_tokens: int, sources: Sequence[Block], full_hash: BlockHash | None = None,
+                parent_hash: BlockHash | None = None) -> bool:
         hashes = shifted.hashes  # type: ignore[attr-defined]
         return original(self, req_id, hashes.get(block_hash, block_hash), num_tokens,
-                        sources)
+                        sources, full_hash, parent_hash)
 
     shifted.hashes = {}  # type: ignore[attr-defined]
     real_snapshot_point = HybridCoordinator._snapshot_branch_point
@@ -388,9 +455,11 @@ def test_sub_block_hits_ignoring_the_lookahead_are_caught(monkeypatch: pytest.Mo
                                 *args)  # type: ignore[arg-type]
 
     def plain_snapshot(self: BranchSnapshots, req_id: ReqId, block_hash: BlockHash,
-                       num_tokens: int, sources: Sequence[Block]) -> bool:
+                       num_tokens: int, sources: Sequence[Block],
+                       full_hash: BlockHash | None = None,
+                       parent_hash: BlockHash | None = None) -> bool:
         return take_snapshot(self, req_id, plain_of.get(block_hash, block_hash), num_tokens,
-                             sources)
+                             sources, full_hash, parent_hash)
 
     class PlainKeys(EagleBranchMachine):
         """The oracle's maximality agrees with the sabotaged index, so only the drafter
@@ -404,3 +473,34 @@ def test_sub_block_hits_ignoring_the_lookahead_are_caught(monkeypatch: pytest.Mo
     monkeypatch.setattr(BranchSnapshots, "take_snapshot", plain_snapshot)
     with pytest.raises(AssertionError, match="drafter KV saw"):
         _drive_eagle_divergence(PlainKeys())
+
+
+def test_an_alias_of_the_wrong_block_is_caught(monkeypatch: pytest.MonkeyPatch,
+                                             pure_python: None) -> None:
+    """Sabotage: the full-attention alias names block ``k + 1`` of the producer (its
+    KV holds a longer prefix, but not in the slots ``[k * bs, p)``)."""
+    original = BranchSnapshots.take_snapshot
+    next_block: dict[BlockHash, BlockHash] = {}
+
+    def wrong_alias(self: BranchSnapshots, req_id: ReqId, block_hash: BlockHash,
+                    num_tokens: int, sources: Sequence[Block],
+                    full_hash: BlockHash | None = None,
+                    parent_hash: BlockHash | None = None) -> bool:
+        if full_hash is not None:
+            full_hash = next_block.get(full_hash, full_hash)
+        return original(self, req_id, block_hash, num_tokens, sources, full_hash, parent_hash)
+
+    real_snapshot_point = HybridCoordinator._snapshot_branch_point
+
+    def remember(self: HybridCoordinator, req_id: ReqId, hashes: Sequence[BlockHash],
+                 num_tokens: int, num_prompt_tokens: int, junction_tokens: int) -> None:
+        assert self.branch is not None
+        ratio = self.branch.block_size // self.branch.unit_tokens
+        k = num_tokens // self.branch.block_size
+        if (k + 2) * ratio <= len(hashes):
+            next_block[hashes[(k + 1) * ratio - 1]] = hashes[(k + 2) * ratio - 1]
+        real_snapshot_point(self, req_id, hashes, num_tokens, num_prompt_tokens,
+                            junction_tokens)
+
+    monkeypatch.setattr(HybridCoordinator, "_snapshot_branch_point", remember)
+    _sabotaged_run(monkeypatch, BranchSnapshots, "take_snapshot", wrong_alias)

@@ -77,7 +77,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.align = config.alignment_tokens
         self.specs = [g.spec for g in config.groups]
         self.has_recurrent = any(isinstance(s, RecurrentStateSpec) for s in self.specs)
-        self.every_block = setup.policy.endswith("+ckpt:block")
+        self.every_block = "ckpt:block" in setup.policy.split("+")
         self.hasher = BlockHasher(config.hash_block_size, config.hash_algo,
                                   config.hash_lookahead_tokens)
         self.lookahead = config.hash_lookahead_tokens

@@ -108,22 +108,67 @@ def test_session_order_continues_the_most_recently_finished_session(
     assert _drive(scheduler) == expected
 
 
-def test_starvation_guard_admits_a_request_passed_over_max_running_times() -> None:
+def test_starvation_guard_lets_cheap_requests_pass_until_their_prefill_reaches_the_budget(
+) -> None:
     # "cold" (no hit) is first; a stream of warm requests would pass it forever under a
-    # pure longest-hit order. With max_running = 2 it is passed over at most twice.
-    manager = _full_attention(200)
+    # pure longest-hit order. max_running = 2 passes are free; beyond them, passing goes on
+    # while all passes computed < max_running * chunk_size = 2 * 64 = 128 new tokens: each
+    # warm request (a 32-token hit of a 44-token prompt) computes 12, so "cold" is passed
+    # by ceil(128 / 12) = 11 of them, then admitted.
+    manager = _full_attention(400)
     scheduler = Scheduler(manager, max_running=2, chunk_size=64, admission="hit")
+    guard = scheduler.guard
+    assert (guard.free_admissions, guard.max_prefill_tokens, guard.max_admissions) == \
+        (2, 128, 256)
     warm = list(range(300, 332))
     scheduler.add_request(SchedRequest("seed", warm, 1))
     _drive(scheduler)
     scheduler.add_request(SchedRequest("cold", list(range(900, 932)), 1))
-    for i in range(6):
-        scheduler.add_request(SchedRequest(f"w{i}", [*warm, i, i, i, i], 1))
+    for i in range(20):
+        scheduler.add_request(SchedRequest(f"w{i}", [*warm, *[i] * 12], 1))
     order = _drive(scheduler)
-    assert order.index("cold") <= 2
     cold = scheduler.requests["cold"]
-    assert cold.num_overtaken <= scheduler.guard.bound == 2
-    assert max(r.num_overtaken for r in scheduler.requests.values()) <= 2
+    assert order.index("cold") == 11  # 11 * 12 = 132 >= 128 > 10 * 12
+    assert (cold.num_overtaken, cold.overtaken_tokens) == (11, 132)
+    assert all(scheduler.requests[f"w{i}"].first_hit_tokens == 32 for i in range(20))
+    for request in scheduler.requests.values():  # the stated bound: < budget + one prompt
+        assert request.num_overtaken <= guard.free_admissions or \
+            request.overtaken_tokens < guard.max_prefill_tokens + 44
+
+
+def test_starvation_guard_always_allows_max_running_passes() -> None:
+    # Expensive passes (28 new tokens each, budget 2 * 16 = 32): the work budget is spent
+    # after two, but max_running = 2 passes are free anyway, and a third is refused.
+    manager = _full_attention(400)
+    scheduler = Scheduler(manager, max_running=2, chunk_size=16, admission="hit")
+    warm = list(range(300, 308))
+    scheduler.add_request(SchedRequest("seed", warm, 1))
+    _drive(scheduler)
+    scheduler.add_request(SchedRequest("cold", list(range(900, 908)), 1))
+    for i in range(5):
+        scheduler.add_request(SchedRequest(f"w{i}", [*warm, *[i] * 28], 1))
+    order = _drive(scheduler)
+    cold = scheduler.requests["cold"]
+    assert order.index("cold") == 2 and cold.num_overtaken == 2
+    assert cold.overtaken_tokens == 56  # over the budget: due at the 2nd pass
+
+
+def test_starvation_guard_caps_admissions_that_pass_a_request() -> None:
+    # Full hits compute 1 token each (the last prompt token): the token budget would let
+    # 128 of them pass; the look-ahead window (4) caps the count of admissions instead.
+    manager = _full_attention(400)
+    scheduler = Scheduler(manager, max_running=2, chunk_size=64, admission="hit",
+                          lookahead_requests=4)
+    warm = list(range(300, 333))
+    scheduler.add_request(SchedRequest("seed", [*warm, 5, 5, 5], 1))
+    _drive(scheduler)
+    scheduler.add_request(SchedRequest("cold", list(range(900, 932)), 1))
+    for i in range(8):
+        scheduler.add_request(SchedRequest(f"w{i}", warm, 1))
+    order = _drive(scheduler)
+    cold = scheduler.requests["cold"]
+    assert order.index("cold") == 4 and cold.num_overtaken == 4
+    assert cold.overtaken_tokens == 4  # 32-token hits of 33-token prompts
 
 
 def test_parse_admissions_and_bad_names() -> None:

@@ -85,6 +85,43 @@ def test_prompts_shorter_than_a_block_hit_at_the_branch_point() -> None:
     assert m.coordinator.branch is not None and m.coordinator.branch.num_partial_hits == 1
 
 
+def test_a_prompt_that_fills_the_block_leaves_a_three_block_snapshot() -> None:
+    """b's prompt runs past the end of block 1 (tokens [8, 16)): the branch point at 12
+    costs one block per recurrent group and an alias of b's block 1; c's hit copies the
+    KV of [8, 12) out of that block once it is cached (not in the step hashing it)."""
+    m = make()
+    run_prompt(m, "a", [*SYSTEM, 1, 2, 3])
+    m.add_request("b", [*SYSTEM, *[4] * 8])  # 20 tokens
+    m.new_step()
+    hit = m.find_longest_hit("b")
+    assert (hit.num_tokens, hit.junction_tokens) == (8, 12)
+    free_before = m.num_free_blocks
+    assert m.allocate_slots("b", m.align_prefill_chunk("b", 12, hit), hit) is not None
+    copies = m.take_block_copies()
+    assert [(c.group_id, c.num_tokens, c.after_forward) for c in copies] == \
+        [(1, 12, True), (2, 12, True)]  # no full-attention snapshot block
+    assert free_before - m.num_free_blocks == 2 + 2 + 1  # b's blocks, 2 snapshots
+    branch = m.coordinator.branch
+    assert branch is not None and len(branch.aliases) == 1
+    m.new_step()
+    assert m.allocate_slots("b", 8) is not None  # [12, 20): block 1 full, hashed now
+    b_block1 = m.coordinator.managers[0].tables["b"][1]
+    assert b_block1.block_hash is not None
+    m.add_request("c", [*SYSTEM, 7, 7, 7])
+    hit = m.find_longest_hit("c")
+    assert hit.num_tokens == 12 and hit.blocks[0][-1].block_id == b_block1.block_id
+    assert m.allocate_slots("c", 3, hit) is None  # b's block 1 was hashed this step
+    m.new_step()
+    hit = m.find_longest_hit("c")
+    assert m.allocate_slots("c", 3, hit) is not None
+    copies = m.take_block_copies()
+    assert [(c.group_id, c.num_tokens, c.after_forward) for c in copies] == \
+        [(0, 12, False), (1, 12, False), (2, 12, False)]
+    assert copies[0].src_block_id == b_block1.block_id
+    assert m.get_block_ids("c")[0][1] != b_block1.block_id  # a private copy
+    m.check_invariants()
+
+
 def test_a_snapshot_of_this_step_defers_the_admission() -> None:
     m = make()
     run_prompt(m, "a", [*SYSTEM, 1, 2, 3])

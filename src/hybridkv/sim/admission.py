@@ -130,6 +130,9 @@ class RankedOrder(AdmissionOrder):
 
     probes: ClassVar[bool] = False
     """Scores come from hit lookups (verified at the top) rather than scheduler state."""
+    live_scores: ClassVar[bool] = False
+    """A probing order whose score of a cached hit reads live pool state (``warm``: whether
+    the hit's last blocks are free now): recomputed at every ranking, not kept."""
 
     def __init__(self) -> None:
         self._candidates: Sequence[SchedRequest] | None = None
@@ -142,7 +145,16 @@ class RankedOrder(AdmissionOrder):
         self._growth: dict[str, _Probes | None] = {}
         """Request id → ``may_extend``'s probes for its cached hit (when the probe offers
         them): the growth check repeated without a call into the manager."""
+        self._growth_key: dict[str, tuple[tuple[int, BlockHash], ...]] = {}
+        """Request id → its growth probes as a hashable key (index identity, hash):
+        candidates waiting on the same blocks share one check per ranking."""
+        self._scores: dict[str, float] = {}
+        """Request id → ``score`` of its cached hit (a function of the hit alone)."""
+        self._ceilings: dict[str, float] = {}
+        """Request id → ``ceiling`` (a function of the prompt alone)."""
         self.num_probes = 0
+        self.num_growth_checks = 0
+        """Dictionary probes of growth checks made (shared ones counted once)."""
 
     @abstractmethod
     def score(self, request: SchedRequest, hit: PrefixHit | None) -> float:
@@ -157,49 +169,81 @@ class RankedOrder(AdmissionOrder):
                ) -> PrefixHit:
         hit = probe.hit(request)
         self.num_probes += 1
-        self._cached[request.req_id] = (version, hit)
-        self._checked[request.req_id] = version[1]
+        req_id = request.req_id
+        self._cached[req_id] = (version, hit)
+        self._checked[req_id] = version[1]
+        self._scores[req_id] = self.score(request, hit)
         growth_probes = getattr(probe, "growth_probes", None)
         if growth_probes is not None:
-            self._growth[request.req_id] = growth_probes(request, hit.num_tokens,
-                                                         _matched_tokens(hit))
+            probes = growth_probes(request, hit.num_tokens, _matched_tokens(hit))
+            self._growth[req_id] = probes
+            if probes is not None:
+                self._growth_key[req_id] = tuple((id(index), block_hash)
+                                                 for index, block_hash in probes)
+            else:
+                self._growth_key.pop(req_id, None)
         return hit
 
     def _may_extend(self, request: SchedRequest, hit: PrefixHit, probe: Probe) -> bool:
         if request.req_id not in self._growth:
             return probe.may_extend(request, hit.num_tokens, _matched_tokens(hit))
         probes = self._growth[request.req_id]
-        return probes is None or any(block_hash in index for index, block_hash in probes)
+        if probes is None:
+            return True
+        self.num_growth_checks += 1
+        return any(block_hash in index for index, block_hash in probes)
 
     def _rank(self, candidates: Sequence[SchedRequest], probe: Probe,
               version: tuple[int, int]) -> list[tuple[float, int]]:
         """(-score, index) of every candidate, best first. New candidates are probed; a
         cached one is probed again only if blocks were cached since, ``may_extend`` says
         they can lengthen its hit, and its prompt is long enough that a longer hit could
-        beat the best score already known."""
+        beat the best score already known.
+
+        Incremental: scores and ceilings are kept per candidate from its last probe, and
+        candidates whose growth checks ask the same dictionary probes (waiting on the
+        same next block) share one answer per ranking."""
         if not self.probes:
             return sorted((-self.score(r, None), i) for i, r in enumerate(candidates))
-        cached = self._cached
-        hits: list[PrefixHit] = []
+        cached, scores_of, checked = self._cached, self._scores, self._checked
+        live = self.live_scores
+        scores: list[float] = []
         stale: list[int] = []
+        indexed = version[1]
         for index, request in enumerate(candidates):
-            entry = cached.get(request.req_id)
+            req_id = request.req_id
+            entry = cached.get(req_id)
             if entry is None:
-                hits.append(self._probe(request, probe, version))
-                continue
-            hits.append(entry[1])
-            if self._checked.get(request.req_id, entry[0][1]) != version[1]:
+                self._probe(request, probe, version)
+            elif checked.get(req_id, entry[0][1]) != indexed:
                 stale.append(index)
-        scores = [self.score(r, h) for r, h in zip(candidates, hits, strict=True)]
-        best = max(scores)
-        checked = self._checked
-        for index in stale:
-            request, hit = candidates[index], hits[index]
-            if self.ceiling(request) <= best:
-                continue
-            checked[request.req_id] = version[1]  # no re-check until more is indexed
-            if self._may_extend(request, hit, probe):
-                scores[index] = self.score(request, self._probe(request, probe, version))
+            scores.append(self.score(request, cached[req_id][1]) if live
+                          else scores_of[req_id])
+        if stale:
+            best = max(scores)
+            ceilings, keys = self._ceilings, self._growth_key
+            answers: dict[tuple[tuple[int, BlockHash], ...], bool] = {}
+            for index in stale:
+                request = candidates[index]
+                req_id = request.req_id
+                ceiling = ceilings.get(req_id)
+                if ceiling is None:
+                    ceiling = ceilings[req_id] = self.ceiling(request)
+                if ceiling <= best:
+                    continue
+                checked[req_id] = indexed  # no re-check until more is indexed
+                key = keys.get(req_id)
+                if key is None:
+                    grows = self._may_extend(request, cached[req_id][1], probe)
+                else:
+                    answer = answers.get(key)
+                    if answer is None:
+                        answer = answers[key] = self._may_extend(
+                            request, cached[req_id][1], probe)
+                    grows = answer
+                if grows:
+                    self._probe(request, probe, version)
+                    scores[index] = scores_of[req_id]  # fresh: live or not, the same now
         return sorted((-score, i) for i, score in enumerate(scores))
 
     def choose(self, candidates: Sequence[SchedRequest], probe: Probe,
@@ -218,7 +262,7 @@ class RankedOrder(AdmissionOrder):
             if probed_at == version:  # exact now: it beats every cached runner-up
                 return request, hit
             hit = self._probe(request, probe, version)
-            entry = (-self.score(request, hit), index)
+            entry = (-self._scores[request.req_id], index)
             if len(ranked) == 1 or entry <= ranked[1]:
                 ranked[0] = entry
                 return request, hit
@@ -226,9 +270,13 @@ class RankedOrder(AdmissionOrder):
             bisect.insort(ranked, entry)
 
     def forget(self, request: SchedRequest) -> None:
-        self._cached.pop(request.req_id, None)
-        self._checked.pop(request.req_id, None)
-        self._growth.pop(request.req_id, None)
+        req_id = request.req_id
+        self._cached.pop(req_id, None)
+        self._checked.pop(req_id, None)
+        self._growth.pop(req_id, None)
+        self._growth_key.pop(req_id, None)
+        self._scores.pop(req_id, None)
+        self._ceilings.pop(req_id, None)
 
 
 class LongestHitOrder(RankedOrder):
@@ -281,6 +329,7 @@ class AtRiskHitOrder(LongestHitOrder):
     """
 
     name = "warm"
+    live_scores = True
 
     RISK_WEIGHT = float(1 << 32)
     """Lexicographic weight: any at-risk hit outranks every held one (tokens < 2^32)."""
@@ -324,46 +373,81 @@ class SessionOrder(RankedOrder):
 
 
 class StarvationGuard:
-    """Bounded overtaking: no candidate is passed over more than ``bound`` times.
+    """Bounded overtaking: a count of admissions, extended for cheap ones by prefill work.
 
-    Each admission increments ``num_overtaken`` of every candidate ahead of the admitted
-    one in first-come order; a candidate whose count reached ``bound`` is *due* and is
-    admitted before the order is asked again (the first-come due one first; a refusal of
-    its allocation ends the step's admissions, as under ``fcfs``).
+    Each admission adds, to every candidate ahead of the admitted one in first-come order,
+    one to ``num_overtaken`` and the admitted request's new (computed, non-hit) tokens to
+    ``overtaken_tokens``. A candidate is *due* once it has been passed ``free_admissions``
+    times *and* the passes computed ``max_prefill_tokens`` new tokens in total, or once it
+    has been passed ``max_admissions`` times; a due candidate is admitted before the order
+    is asked again (the first-come due one first; a refusal of its allocation ends the
+    step's admissions, as under ``fcfs``).
 
-    The bound (the scheduler uses ``bound = max_running``): while a request is eligible in
-    the window, at most ``bound`` requests that came after it are admitted before it, so it
-    is admitted no later than first-come order would admit it, delayed by at most
-    ``max_running`` admissions — one turnover of the running set. It is a bound on
-    *admissions*; in steps it is the time those admissions take, which the cache-aware
-    orders shorten (their admissions are the ones with the longest hits).
+    Why work as well as a count: what delays a waiting request is the prefill its
+    overtakers compute, and the cache-aware orders overtake with *hits* — an admission
+    whose prompt is mostly cached computes a few tokens, a cold one its whole prompt. A
+    count alone charges both alike, so it cuts hit-driven reordering hardest exactly where
+    reordering costs the passed request least (a tuned count moved hit rates by 23 points
+    either way in the prototype); work alone lets one long cold prompt exhaust the budget.
+    So any ``free_admissions`` passes are allowed (one turnover of the running set, the
+    session-1 guard), and passing beyond that continues only while all passes together
+    stay under one turnover's prefill budget.
+
+    The bound (the scheduler uses ``free_admissions = max_running``, ``max_prefill_tokens =
+    max_running * chunk_size`` — the prefill budget of ``max_running`` steps — and
+    ``max_admissions = lookahead_requests``): while a request is eligible in the window,
+    the later requests admitted before it are at most ``max_admissions``, and either at
+    most ``free_admissions`` or they computed fewer than ``max_prefill_tokens`` new tokens
+    before the last of them (so at most that minus one plus one request's prompt). It is
+    admitted no later than first-come order would admit it, delayed by at most that many
+    admissions / that much prefill of later requests (``fcfs``: none).
 
     >>> from types import SimpleNamespace
-    >>> guard = StarvationGuard(2)
-    >>> a, b, c = (SimpleNamespace(req_id=k, num_overtaken=0) for k in "abc")
-    >>> guard.on_admitted([a, b, c], c); guard.on_admitted([a, b, c], b)
-    >>> (a.num_overtaken, b.num_overtaken, guard.due([a, b, c]) is a)
-    (2, 1, True)
+    >>> guard = StarvationGuard(free_admissions=2, max_prefill_tokens=100, max_admissions=4)
+    >>> a, b = (SimpleNamespace(req_id=k, num_overtaken=0, overtaken_tokens=0) for k in "ab")
+    >>> guard.on_admitted([a, b], b, 150)  # one long pass: 150 tokens, but only 1 pass
+    >>> guard.due([a]) is None
+    True
+    >>> guard.on_admitted([a], SimpleNamespace(), 1)  # a 2nd pass: 2 passes, 151 tokens
+    >>> (a.num_overtaken, a.overtaken_tokens, guard.due([a]) is a)
+    (2, 151, True)
     """
 
-    def __init__(self, bound: int) -> None:
-        self.bound = bound
+    def __init__(self, *, free_admissions: int, max_prefill_tokens: int,
+                 max_admissions: int) -> None:
+        if min(free_admissions, max_prefill_tokens, max_admissions) <= 0:
+            raise ConfigError("starvation guard",
+                              (free_admissions, max_prefill_tokens, max_admissions),
+                              "needs positive admission counts and a token budget")
+        self.free_admissions = free_admissions
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_admissions = max(max_admissions, free_admissions)
         self._due_for: Sequence[SchedRequest] | None = None
         self._due: SchedRequest | None = None
 
+    def is_due(self, request: SchedRequest) -> bool:
+        passes = request.num_overtaken
+        return passes >= self.max_admissions or (
+            passes >= self.free_admissions
+            and request.overtaken_tokens >= self.max_prefill_tokens)
+
     def due(self, candidates: Sequence[SchedRequest]) -> SchedRequest | None:
-        """The first candidate passed over ``bound`` times (cached per candidate list:
-        counts change only by admissions, which make a new list)."""
+        """The first due candidate (cached per candidate list: counts change only by
+        admissions, which make a new list)."""
         if candidates is not self._due_for:
             self._due_for = candidates
-            self._due = next((r for r in candidates if r.num_overtaken >= self.bound), None)
+            self._due = next((r for r in candidates if self.is_due(r)), None)
         return self._due
 
-    def on_admitted(self, candidates: Sequence[SchedRequest], admitted: SchedRequest) -> None:
+    def on_admitted(self, candidates: Sequence[SchedRequest], admitted: object,
+                    new_tokens: int) -> None:
+        """``admitted`` (computing ``new_tokens`` prompt tokens) passed the candidates
+        ahead of it."""
         for request in candidates:
             if request is admitted:
                 return
             request.num_overtaken += 1
+            request.overtaken_tokens += new_tokens
 
 
 ORDERS: dict[str, type[AdmissionOrder]] = {

@@ -64,8 +64,11 @@ class SchedRequest:
     admitted_step: int | None = None
     """Step of its first admission."""
     num_overtaken: int = 0
-    """Admissions of later candidates while it was a candidate (the starvation guard's
-    count; always 0 under ``fcfs``)."""
+    """Admissions of later candidates while it was a candidate (the starvation guard
+    caps it; always 0 under ``fcfs``)."""
+    overtaken_tokens: int = 0
+    """New (non-hit) prompt tokens of those admissions: the prefill work put ahead of it
+    (the starvation guard's work budget; always 0 under ``fcfs``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +135,9 @@ class Scheduler:
         self.admission = make_admission_order(admission) if isinstance(admission, str) \
             else admission
         self._is_fcfs = self.admission.name == "fcfs"
-        self.guard = StarvationGuard(max_running)
+        self.guard = StarvationGuard(free_admissions=max_running,
+                                     max_prefill_tokens=max_running * chunk_size,
+                                     max_admissions=max(1, lookahead_requests))
         self.manager = manager
         self.max_running = max_running
         self.chunk_size = chunk_size
@@ -323,7 +328,7 @@ class Scheduler:
                     unadmitted.remove(request)
         request.num_admissions += 1
         if candidates:
-            self.guard.on_admitted(candidates, request)
+            self.guard.on_admitted(candidates, request, num_tokens - hit.num_tokens)
             self.admission.forget(request)
         return ScheduledChunk(req_id, hit.num_tokens, num_new, hit.num_tokens,
                               hit.num_tokens + num_new == num_tokens)
