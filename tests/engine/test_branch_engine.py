@@ -134,9 +134,9 @@ def test_stale_snapshot_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     take_snapshot, copy_state = BranchSnapshots.take_snapshot, PagedStateCache.copy_block
 
     def too_early(self: BranchSnapshots, req_id: ReqId, block_hash: BlockHash,
-                  num_tokens: int, sources: Sequence[Block]) -> bool:
+                  num_tokens: int, sources: Sequence[Block], *args: BlockHash | None) -> bool:
         before = len(self.copies)
-        taken = take_snapshot(self, req_id, block_hash, num_tokens, sources)
+        taken = take_snapshot(self, req_id, block_hash, num_tokens, sources, *args)
         self.copies[before:] = [replace(c, after_forward=False) for c in self.copies[before:]]
         return taken
 
@@ -169,11 +169,12 @@ def test_snapshot_of_another_position_is_caught(monkeypatch: pytest.MonkeyPatch,
         snapshot_point(self, req_id, hashes, num_tokens, num_prompt_tokens, junction_tokens)
 
     def one_unit_early(self: BranchSnapshots, req_id: ReqId, block_hash: BlockHash,
-                       num_tokens: int, sources: Sequence[Block]) -> bool:
+                       num_tokens: int, sources: Sequence[Block],
+                       *args: BlockHash | None) -> bool:
         if block_hash in parent:
             shifted.append(num_tokens)
         return take_snapshot(self, req_id, parent.get(block_hash, block_hash), num_tokens,
-                             sources)
+                             sources, *args)
 
     monkeypatch.setattr(HybridCoordinator, "_snapshot_branch_point", remember)
     monkeypatch.setattr(BranchSnapshots, "take_snapshot", one_unit_early)
