@@ -129,6 +129,11 @@ class BranchSnapshots:
     ``alias_capacity`` entries.
     """
 
+    min_divergences = 2
+    """Prompts that must leave the seen ones at a point before a snapshot is taken there
+    (the first marks it a branch point, the second snapshots it); 1 snapshots at every
+    first divergence (the first version; the property tests run both)."""
+
     def __init__(self, pool: BlockPool, unit_tokens: int, block_size: int,
                  group_ids: Sequence[GroupId], seen_capacity: int,
                  full_group_ids: Sequence[GroupId] = ()) -> None:
@@ -139,6 +144,9 @@ class BranchSnapshots:
         self.full_group_ids = frozenset(full_group_ids)
         """Full-attention groups: their part of a snapshot may be an alias."""
         self.seen = SeenPrefixes(seen_capacity)
+        self.branch_points = SeenPrefixes(seen_capacity)
+        """``u``-hashes of the points where an admitted prompt left every seen one: a
+        snapshot is taken at such a point only when a later prompt leaves there too."""
         self.aliases: OrderedDict[BlockHash, BlockHash] = OrderedDict()
         """Snapshot ``u``-hash of ``[0, p)`` → the full-block hash ``H_k`` whose cached
         full-attention block holds the KV of ``[k * bs, p)`` (LRU, ``alias_capacity``)."""
@@ -160,6 +168,30 @@ class BranchSnapshots:
         self.num_partial_hits = 0
         self.copied_tokens = 0
         """Full-attention tokens of KV copied (snapshots and copy-on-write hits)."""
+
+    def note_prompt(self, hashes: Sequence[BlockHash]) -> None:
+        """A first admission: the unit where the prompt leaves every seen prompt becomes
+        a branch point (a resend of a whole seen prompt is none); then its prefixes are
+        seen.
+
+        >>> b = BranchSnapshots.__new__(BranchSnapshots)
+        >>> b.seen, b.branch_points = SeenPrefixes(8), SeenPrefixes(8)
+        >>> b.note_prompt([b"s", b"s1"]); b.note_prompt([b"s", b"s2"])
+        >>> b"s" in b.branch_points, b"s1" in b.branch_points
+        (True, False)
+        """
+        j = self.seen.deepest(hashes, 0, len(hashes))
+        if 0 < j < len(hashes):
+            self.branch_points.add([hashes[j - 1]])
+        self.seen.add(hashes)
+
+    def branch_point(self, hashes: Sequence[BlockHash], lo: int, hi: int) -> int:
+        """The junction a lookup reports, in units: the deepest seen unit in ``(lo, hi]``
+        if an earlier prompt already left the seen prompts there (``lo`` otherwise)."""
+        j = self.seen.deepest(hashes, lo, hi)
+        if j > lo and (self.min_divergences <= 1 or hashes[j - 1] in self.branch_points):
+            return j
+        return lo
 
     # ----------------------------------------------------------------- lookup
     def find_partial_hit(self, hashes: Sequence[BlockHash], hit_tokens: int,

@@ -36,7 +36,7 @@ from hybridkv.errors import (
 )
 from hybridkv.eviction import EvictionOptions, EvictionPolicy, parse_eviction
 from hybridkv.hashing import BlockHasher, ExtraKeys
-from hybridkv.ids import BlockHash, ReqId
+from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers import coarse_hashes
 from hybridkv.managers.recurrent import (
     CHUNK_CHECKPOINTS,
@@ -208,11 +208,10 @@ class KVCacheManager:
             self.policy_name += f"+{self.checkpoints}"
         chain_group = next((g.group_id for g in config.groups  # compressed kinds too
                             if isinstance(g.spec, FullAttentionSpec)), None)
-        evictor = None if eviction.name == "lru" else \
-            EvictionPolicy(eviction, config.num_blocks, chain_group)
-        self.pool = BlockPool(config.num_blocks, len(config.groups), evictor)
+        self.pool = _make_pool(config, eviction, chain_group)
         self.coordinator = HybridCoordinator(config, self.pool, policy,
-                                             chain_group if eviction.chain else None,
+                                             chain_group if eviction.chain or eviction.flops
+                                             else None,
                                              checkpoints=self.checkpoints)
         self.hasher = BlockHasher(config.hash_block_size, config.hash_algo,
                                   config.hash_lookahead_tokens)
@@ -773,3 +772,15 @@ class KVCacheManager:
                 req_id not in m.tables for m in self.coordinator.managers
             ):
                 raise InvariantViolation(f"{req_id!r} is running without block tables")
+
+
+def _make_pool(config: CacheConfig, eviction: EvictionOptions, chain_group: GroupId | None,
+               ) -> BlockPool:
+    """The block pool, with its eviction policy unless that is plain ``lru``."""
+    evictor = None if eviction.name == "lru" else \
+        EvictionPolicy(eviction, config.num_blocks, chain_group,
+                       [g.spec.kind for g in config.groups])
+    pool = BlockPool(config.num_blocks, len(config.groups), evictor)
+    if evictor is not None:
+        evictor.bind(pool)
+    return pool

@@ -236,8 +236,8 @@ class HybridCoordinator:
         if found is not None:
             tables, hit = found
         u = branch.unit_tokens
-        seen = branch.seen.deepest(hashes, hit // u, min(max_num_tokens // u, len(hashes)))
-        junction = max(longest, seen * u)
+        point = branch.branch_point(hashes, hit // u, min(max_num_tokens // u, len(hashes)))
+        junction = max(longest, point * u)
         return tables, hit, max(junction - hit, 0)
 
     def is_partial_hit(self, num_hit_tokens: int) -> bool:
@@ -324,7 +324,7 @@ class HybridCoordinator:
     def note_admission(self, hashes: Sequence[BlockHash]) -> None:
         """A request's first admission: ``ckpt:branch`` remembers its prefixes."""
         if self.branch is not None:
-            self.branch.seen.add(hashes)
+            self.branch.note_prompt(hashes)
 
     def align_prefill_chunk(self, num_computed_tokens: int, num_new_tokens: int,
                             num_tokens: int, num_prompt_tokens: int, junction_tokens: int,

@@ -42,6 +42,27 @@ retention (which decides *what* is hashed). Combined with a retention policy by 
     blocks still count as accesses). Chain-dead blocks still go first; ``pin:T``'s pinned
     tier still wins; ``predict`` goes before ``session`` protection and ``scan``'s queues.
     Without a full-attention group it never predicts.
+``flops``
+    Checkpoint-aware eviction for full-attention + recurrent-state models (Marconi: a
+    cached state is worth the recompute FLOPs a hit through it saves, per byte it holds).
+    A block is worth nothing when no hit can use it (``hybridkv.hitpoints``): a recurrent
+    state whose hit point is incomplete (a group lost its copy) or whose full-attention
+    chain is cut, a full-attention block that no usable hit point's chain passes through
+    (nothing after it can be hit: a request sharing it hits before it and recomputes it),
+    and a second copy of a block another live copy serves. Those go to the dead queue —
+    at release, and the moment they become worthless while free (an eviction un-anchors
+    a whole segment at once, where LRU would keep it block by block). A release is linked
+    *segment by segment*, deepest first: each hit point's states right before the
+    full-attention blocks it is the deepest anchor of, and states of this chain released
+    earlier (the hit checkpoint, freed at the request's first step) are moved back beside
+    their segment — so LRU evicts a chain from its end one whole segment at a time, and a
+    shallower checkpoint outlives the deeper segments instead of dying before them. A
+    segment ``(p_prev, p]`` then costs its ``(p - p_prev) / bs`` full-attention blocks plus
+    one block per recurrent group and saves ``p - p_prev`` tokens of recompute (the hit
+    falls back to ``p_prev``): the value per byte Marconi ranks by, realised here as
+    evicting whole segments from the chain's end. Combines with every retention and
+    checkpoint policy (``latest+ckpt:branch+flops``) and with ``scan``/``predict``
+    (worthless blocks go first; the rest keeps their order).
 
 Every operation is O(1) per block (amortised for the demotions, each of which moves a block
 that entered the queue once, and for the prediction history, whose entries each expire once).
@@ -55,11 +76,12 @@ from dataclasses import dataclass
 
 from hybridkv.block import DEAD_QUEUE, FREE_QUEUE, PROTECTED_QUEUE, SESSION_QUEUE, Block
 from hybridkv.errors import ConfigError, InvariantViolation
+from hybridkv.hitpoints import HitPoints
 from hybridkv.ids import BlockHash, GroupId
 from hybridkv.native import mypyc_attr
 from hybridkv.pool import BlockPool, FreeTier
 
-EVICTION_NAMES = ("lru", "scan", "chain", "session", "predict")
+EVICTION_NAMES = ("lru", "scan", "chain", "session", "predict", "flops")
 ROOT_PARENT = BlockHash(b"")
 """``parent_hash`` of a first full-attention block: its usefulness depends on nothing."""
 
@@ -181,6 +203,7 @@ class EvictionOptions:
     chain: bool = False
     session: bool = False
     predict: bool = False
+    flops: bool = False
     protected_fraction: float = 0.8
     session_fraction: float = 0.5
     predict_horizon: float = 0.5
@@ -194,7 +217,8 @@ class EvictionOptions:
     @property
     def name(self) -> str:
         parts = [n for n, on in (("scan", self.scan), ("chain", self.chain),
-                                  ("session", self.session), ("predict", self.predict)) if on]
+                                  ("session", self.session), ("predict", self.predict),
+                                  ("flops", self.flops)) if on]
         return "+".join(parts) or "lru"
 
 
@@ -209,7 +233,8 @@ class EvictionPolicy:
     """
 
     def __init__(self, options: EvictionOptions, num_blocks: int,
-                 chain_group_id: GroupId | None) -> None:
+                 chain_group_id: GroupId | None,
+                 group_kinds: Sequence[str] = ()) -> None:
         self.options = options
         self.name = options.name
         self.chain_group_id = chain_group_id if options.chain else None
@@ -231,9 +256,36 @@ class EvictionPolicy:
         """Ids of blocks filed predicted-dead, until reallocated or released again."""
         self.num_predicted_dead = 0
         """Blocks filed predicted-dead so far (a counter for reports and tests)."""
+        self.hitpoints: HitPoints | None = None
+        """``flops``: usable hit points and anchored blocks (set by ``bind``)."""
+        self._point_group_ids: list[GroupId] = []
+        if options.flops:
+            unsupported = sorted(set(group_kinds) - {"full_attention", "recurrent_state"})
+            if unsupported or chain_group_id is None:
+                raise ConfigError(
+                    "policy", "flops",
+                    "values hit points of full-attention + recurrent-state models; this "
+                    f"model has {', '.join(unsupported) or 'no full-attention'} groups: "
+                    "drop +flops")
+            self._point_group_ids = [GroupId(g) for g, kind in enumerate(group_kinds)
+                                     if kind == "recurrent_state"]
+        self._flops_group_id = chain_group_id
+        self._releasing = False
+        self._release_buffer: list[Block] = []
+        self._release_tier = FreeTier.TAIL
+        self._release_session: str | None = None
+        self.num_worthless = 0
+        """Blocks filed worthless at release (``flops``; a counter for reports and tests)."""
+
+    def bind(self, pool: BlockPool) -> None:
+        """Attach to the pool this policy serves (``flops`` tracks its hash index)."""
+        if self.options.flops and self._flops_group_id is not None:
+            self.hitpoints = HitPoints(pool, self._flops_group_id, self._point_group_ids)
 
     # ---------------------------------------------------------------- caching
     def on_cached(self, block: Block, parent_hash: BlockHash | None) -> None:
+        if self.hitpoints is not None:
+            self.hitpoints.on_cached(block, parent_hash)
         if self.chain_group_id is None:
             return
         block.parent_hash = parent_hash
@@ -243,6 +295,8 @@ class EvictionPolicy:
     def on_evicted(self, pool: BlockPool, block: Block, block_hash: BlockHash,
                    group_id: GroupId, *, still_cached: bool) -> None:
         """``block`` lost ``block_hash``; with ``chain``, its dependents may die."""
+        if self.hitpoints is not None:
+            self.hitpoints.on_evicted(block_hash, group_id, still_cached)
         if self.predictor is not None:
             self._predicted.discard(block.block_id)
         if self.chain_group_id is None:
@@ -274,12 +328,31 @@ class EvictionPolicy:
         if self.predictor is not None:
             self._learn(blocks)
         if default_tier is FreeTier.PINNED:  # the pin:T retention tier wins
+            if self.hitpoints is not None:
+                worthless = [b for b in blocks if self.hitpoints.worthless(b)]
+                if worthless:
+                    pool.link(worthless, FreeTier.DEAD)
+                    blocks = [b for b in blocks if not self.hitpoints.worthless(b)]
             pool.link(blocks, default_tier)
             return
+        if self._releasing and self.hitpoints is not None:
+            self._release_buffer.extend(blocks)  # linked segment by segment at the end
+            self._release_tier = default_tier
+            self._release_session = session_id
+            return
+        self._place(pool, blocks, default_tier, session_id)
+
+    def _place(self, pool: BlockPool, blocks: list[Block], default_tier: FreeTier,
+               session_id: str | None) -> None:
         dead: list[Block] = []
         live: list[Block] = []
+        hitpoints = self.hitpoints
         for block in blocks:
-            (dead if self._is_dead(pool, block) else live).append(block)
+            if self._is_dead(pool, block) or (
+                    hitpoints is not None and self._is_worthless(pool, block, hitpoints)):
+                dead.append(block)
+            else:
+                live.append(block)
         if dead:
             pool.link(dead, FreeTier.DEAD)
         if self._release_is_dead and live:
@@ -308,6 +381,69 @@ class EvictionPolicy:
                 oldest.queue_id = None
                 oldest.num_hits = 0  # aging: earn protection again
                 pool.link([oldest], FreeTier.TAIL)
+
+    def _is_worthless(self, pool: BlockPool, block: Block, hitpoints: HitPoints) -> bool:
+        """``flops``: no hit can use the block, or another live copy serves its hits (a
+        held copy wins; a free copy in a live queue gives way to this fresher one)."""
+        if hitpoints.worthless(block):
+            self.num_worthless += 1
+            return True
+        key, group_id = block.block_hash, block.hash_group_id
+        assert key is not None and group_id is not None
+        copies = pool.cached_copies(key, group_id)
+        if len(copies) > 1:
+            others = [c for c in copies if c is not block]
+            if any(c.ref_count for c in others):
+                self.num_worthless += 1
+                return True
+            for other in others:
+                if other.queue_id is not None and other.queue_id != DEAD_QUEUE:
+                    pool.move(other, FreeTier.DEAD)
+                    self.num_worthless += 1
+        return False
+
+    def _segment_order(self, pool: BlockPool, blocks: list[Block],
+                       hitpoints: HitPoints) -> list[Block]:
+        """A whole release, segment by segment from the chain's end: each usable hit
+        point's states right before the full-attention block it ends at (the chain's
+        blocks come tail first); free states of this chain's points released earlier are
+        unlinked and joined to their segment; other blocks keep their order after."""
+        fa = self._flops_group_id
+        point_groups = self._point_group_ids
+        fa_blocks = [b for b in blocks if b.hash_group_id == fa]
+        by_end: dict[BlockHash | None, list[Block]] = {}
+        rest: list[Block] = []
+        released = {b.block_id for b in blocks}
+        for block in blocks:
+            if block.hash_group_id == fa:
+                continue
+            key = block.block_hash
+            if key is not None and block.hash_group_id in point_groups \
+                    and key in hitpoints.counted:
+                by_end.setdefault(hitpoints.point_end.get(key), []).append(block)
+            else:
+                rest.append(block)
+        free_queue = pool.queues[FREE_QUEUE]
+        for block in fa_blocks:
+            key = block.block_hash
+            assert key is not None
+            for point in hitpoints.anchoring_points(key):
+                for group_id in point_groups:
+                    for copy in pool.cached_copies(point, group_id):
+                        if copy.ref_count == 0 and copy.queue_id == FREE_QUEUE \
+                                and copy.block_id not in released:
+                            free_queue.remove(copy)
+                            copy.queue_id = None
+                            released.add(copy.block_id)
+                            by_end.setdefault(key, []).append(copy)
+        ordered: list[Block] = []
+        for block in fa_blocks:
+            ordered.extend(by_end.pop(block.block_hash, ()))
+            ordered.append(block)
+        for leftover in by_end.values():
+            ordered.extend(leftover)
+        ordered.extend(rest)
+        return ordered
 
     def _is_dead(self, pool: BlockPool, block: Block) -> bool:
         if self.chain_group_id is None:
@@ -362,6 +498,8 @@ class EvictionPolicy:
         previous protected set is superseded (demoted) once, and the blocks of every group
         released next form the new set. ``num_output_tokens`` is set for a finished request
         (``None`` on preemption): ``predict`` decides once for the whole release."""
+        if self.hitpoints is not None:
+            self._releasing = True
         if self.predictor is not None and num_output_tokens is not None:
             signature = output_signature(num_output_tokens)
             self._release_signature = signature
@@ -374,7 +512,14 @@ class EvictionPolicy:
         self._session_blocks[session_id] = []
 
     def end_release(self, pool: BlockPool) -> None:
-        """The release is over: forget its prediction, resolve expired history entries."""
+        """The release is over: link its blocks (``flops``: segment by segment), forget its
+        prediction, resolve expired history entries."""
+        if self._releasing:
+            self._releasing = False
+            buffered, self._release_buffer = self._release_buffer, []
+            if buffered and self.hitpoints is not None:
+                self._place(pool, self._segment_order(pool, buffered, self.hitpoints),
+                            self._release_tier, self._release_session)
         self._release_signature = None
         self._release_is_dead = False
         if self.predictor is not None and self.predict_group_id is not None:
@@ -414,6 +559,14 @@ class EvictionPolicy:
     # ------------------------------------------------------------- invariants
     def check_invariants(self, pool: BlockPool) -> None:
         """Verify the class invariants (the pool's ``check_invariants`` calls this)."""
+        if self.hitpoints is not None:
+            self.hitpoints.check_invariants()
+        self._check_dead_and_session(pool)
+        if self.predictor is not None:
+            self.predictor.check()
+        self._check_predicted(pool)
+
+    def _check_dead_and_session(self, pool: BlockPool) -> None:
         for block in pool.blocks:
             if block.is_dead and block.block_hash is None:
                 raise InvariantViolation(f"{block!r} is marked dead but not hashed")
@@ -421,8 +574,8 @@ class EvictionPolicy:
             owner = self._session_owner.get(block.block_id)
             if owner is None or all(b is not block for b in self._session_blocks.get(owner, ())):
                 raise InvariantViolation(f"{block!r} is in the session queue without an owner")
-        if self.predictor is not None:
-            self.predictor.check()
+
+    def _check_predicted(self, pool: BlockPool) -> None:
         predicted = self._predicted
         for block_id in predicted:
             if pool.blocks[block_id].block_hash is None:
@@ -441,7 +594,8 @@ class EvictionPolicy:
 
 def parse_eviction(parts: Sequence[str]) -> EvictionOptions:
     """Eviction options from name parts (``["scan", "chain"]``); ``lru`` alone is the default."""
-    flags = {"scan": False, "chain": False, "session": False, "predict": False}
+    flags = {"scan": False, "chain": False, "session": False, "predict": False,
+             "flops": False}
     for part in parts:
         if part == "lru":
             continue

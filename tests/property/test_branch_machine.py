@@ -56,7 +56,9 @@ def branch_setups(draw: st.DrawFn, eagle: bool | None = None) -> HybridSetup:
     per_request = -(-24 // bs) * len(layers)
     num_blocks = 1 + draw(st.integers(max(2, per_request // 2), per_request * 4))
     use_eagle = draw(st.integers(0, 2)) == 0 if eagle is None else eagle
-    return HybridSetup(layers, num_blocks, f"{policy}+ckpt:branch:{unit}", use_eagle, None)
+    eviction = draw(st.sampled_from(("", "", "+flops", "+scan+flops")))
+    return HybridSetup(layers, num_blocks, f"{policy}{eviction}+ckpt:branch:{unit}",
+                       use_eagle, None)
 
 
 class BranchMachine(base.ManagerMachine):
@@ -65,6 +67,10 @@ class BranchMachine(base.ManagerMachine):
         super().init_manager(setup)
         self.unit = self.manager.config.hash_block_size
         assert self.unit < self.align
+        branch = self.manager.coordinator.branch
+        assert branch is not None
+        if setup.num_blocks % 2:  # half the setups snapshot at every first divergence
+            branch.min_divergences = 1
         self.partial_next: dict[int, tuple[int, ...] | None] = {}
         """Full-attention blocks holding a partial prefix: the ``L`` tokens after its last
         written slot from which the drafter KV of that slot was computed (``None``:
@@ -75,6 +81,10 @@ class BranchMachine(base.ManagerMachine):
 
     def guaranteed_boundaries(self, req_id: str, num_computed: int) -> list[int]:
         return []  # retention promises are not checked on recurrent models
+
+    def check_free_order(self, tables: list[list[Block]]) -> None:
+        if "flops" not in self.setup_.policy:  # flops links releases segment by segment
+            super().check_free_order(tables)
 
     # ------------------------------------------------------------------- oracle
     def record_computed(self, req_id: str, start: int, end: int,
@@ -251,11 +261,11 @@ class BranchMachine(base.ManagerMachine):
     @precondition(lambda self: len(self.manager.request_ids) < base.MAX_REQUESTS
                   and bool(self.sequences))
     @rule(pick=st.integers(0, 10**6), at=st.integers(1, base.MAX_PROMPT),
-          extra=st.integers(0, 12))
+          extra=st.integers(0, 16))
     def add_branching_request(self, pick: int, at: int, extra: int) -> None:
-        """A prompt that leaves a computed one at a unit inside a block and runs past the
-        end of that block: its branch-point snapshot aliases its own full block (a later
-        branching at the same point hits through the alias)."""
+        """A prompt that leaves a computed one at a unit inside a block, ending inside
+        that block or running past its end (then its branch-point snapshot aliases its own
+        full block); two of them leaving at one point make it a branch point."""
         seqs = [s for s in self.sequences.values() if len(s) > self.unit]
         if not seqs:
             return
@@ -263,12 +273,9 @@ class BranchMachine(base.ManagerMachine):
         j = at % len(seq) // self.unit * self.unit
         if j == 0 or j % self.align == 0:
             return
-        block_end = (j // self.align + 1) * self.align
         fill = (pick // 2) % 3  # two branchings at one point may diverge right there
-        tokens = [*seq[:j], (seq[j] + 1 + pick % 2) % 3, *[fill] * (block_end - j + extra)]
+        tokens = [*seq[:j], (seq[j] + 1 + pick % 2) % 3, *[fill] * extra]
         tokens = tokens[: base.MAX_PROMPT]
-        if len(tokens) <= block_end:
-            return
         req_id = f"r{self.next_id}"
         self.next_id += 1
         self.manager.add_request(req_id, tokens)
@@ -316,6 +323,9 @@ TestEagleBranchMachine.settings = settings(stateful_step_count=200, max_examples
 def _sabotaged_run(monkeypatch: pytest.MonkeyPatch, target: object, name: str,
                    replacement: object, machine: type[BranchMachine] = BranchMachine,
                    match: str | None = None) -> None:
+    """Run the machine with a sabotage; every setup snapshots at the first divergence
+    (the sabotages hit the snapshot and copy machinery, not the branch-point rule)."""
+    monkeypatch.setattr(BranchSnapshots, "min_divergences", 1)
     monkeypatch.setattr(target, name, replacement)
     with pytest.raises(AssertionError, match=match):
         run_state_machine_as_test(machine, settings=settings(

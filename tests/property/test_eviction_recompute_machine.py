@@ -25,7 +25,7 @@ from hypothesis.stateful import initialize, invariant
 from strategies import HybridSetup, hybrid_setups, needed_blocks
 from test_manager_state_machine import Content, ManagerMachine
 
-from hybridkv import PrefixHit, SlidingWindowSpec
+from hybridkv import FullAttentionSpec, PrefixHit, RecurrentStateSpec, SlidingWindowSpec
 from hybridkv.eviction import ReusePredictor
 
 INEXACT: Content = (-1, ())
@@ -43,7 +43,8 @@ class ParityPredictor(ReusePredictor):
 
 
 EVICTIONS = ("", "+scan", "+chain", "+session", "+scan+chain", "+scan+chain+session",
-             "+predict", "+scan+predict", "+scan+chain+session+predict")
+             "+predict", "+scan+predict", "+scan+chain+session+predict",
+             "+flops", "+scan+flops", "+chain+flops", "+predict+flops")
 
 
 class EvictionRecomputeMachine(ManagerMachine):
@@ -55,6 +56,9 @@ class EvictionRecomputeMachine(ManagerMachine):
         retention = setup.policy
         if recompute and sparse:  # bridges need missing tails: favour `latest`
             retention = "latest"
+        if "flops" in eviction and not all(
+                isinstance(s, (FullAttentionSpec, RecurrentStateSpec)) for s in setup.layers):
+            eviction = eviction.replace("+flops", "")  # hit points of full + recurrent only
         policy = retention + eviction + ("+recompute" if recompute else "")
         super().init_manager(HybridSetup(setup.layers, setup.num_blocks, policy,
                                          setup.use_eagle, setup.eagle_group_ids,

@@ -20,7 +20,7 @@ from hybridkv.specs import RecurrentStateSpec
 
 RETENTIONS = ("dense", "reachable", "prepend", "latest", "interval:32", "pin:32")
 EVICTIONS = ("", "+scan", "+chain", "+session", "+predict", "+scan+chain+session",
-             "+recompute", "+scan+predict+recompute")
+             "+recompute", "+scan+predict+recompute", "+flops", "+scan+predict+flops")
 MODELS = {
     "full+window": (FullAttentionSpec(16, 8), SlidingWindowSpec(16, 8, 32)),
     "full+window(bs 8)": (FullAttentionSpec(16, 8), SlidingWindowSpec(8, 16, 20),
@@ -77,6 +77,8 @@ def test_no_replay_beats_its_bound(retention: str, eviction: str, case: Case) ->
     policy = retention + eviction
     if "recompute" in eviction and case.model in ("full+chunked", "full+recurrent"):
         policy = policy.replace("+recompute", "")  # chunked layers cannot bridge
+    if "flops" in eviction and case.model not in ("full", "full+recurrent"):
+        policy = policy.replace("+flops", "")  # hit points of full + recurrent models only
     outcome = run(case, policy)
     if outcome is None:
         return

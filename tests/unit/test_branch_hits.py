@@ -19,6 +19,8 @@ from hybridkv.sim.workloads import make_workload
 
 BS = 8
 SYSTEM = list(range(100, 112))  # a 12-token shared prefix: inside the second block
+# A snapshot is taken where a prompt leaves the seen ones only once an earlier prompt left
+# there too: the tests run a second prompt "a2" that leaves "a" after SYSTEM first.
 
 
 def make(policy: str = "latest+ckpt:branch:2", num_blocks: int = 64) -> KVCacheManager:
@@ -48,6 +50,7 @@ def test_prompts_shorter_than_a_block_hit_at_the_branch_point() -> None:
     m = make()
     assert m.config.hash_block_size == 2 and m.config.alignment_tokens == BS
     assert run_prompt(m, "a", [*SYSTEM, 1, 2, 3]) == 0
+    run_prompt(m, "a2", [*SYSTEM, 6, 6, 6])  # leaves a at 12: a branch point
     # b shares 12 tokens with a (seen): its first chunk stops at the branch point
     m.add_request("b", [*SYSTEM, 4, 5])
     m.new_step()
@@ -91,6 +94,7 @@ def test_a_prompt_that_fills_the_block_leaves_a_three_block_snapshot() -> None:
     KV of [8, 12) out of that block once it is cached (not in the step hashing it)."""
     m = make()
     run_prompt(m, "a", [*SYSTEM, 1, 2, 3])
+    run_prompt(m, "a2", [*SYSTEM, 6, 6, 6])  # leaves a at 12: a branch point
     m.add_request("b", [*SYSTEM, *[4] * 8])  # 20 tokens
     m.new_step()
     hit = m.find_longest_hit("b")
@@ -125,6 +129,7 @@ def test_a_prompt_that_fills_the_block_leaves_a_three_block_snapshot() -> None:
 def test_a_snapshot_of_this_step_defers_the_admission() -> None:
     m = make()
     run_prompt(m, "a", [*SYSTEM, 1, 2, 3])
+    run_prompt(m, "a2", [*SYSTEM, 6, 6, 6])  # leaves a at 12: a branch point
     m.add_request("b", [*SYSTEM, 4, 5])
     m.new_step()
     hit = m.find_longest_hit("b")
@@ -183,6 +188,7 @@ def test_eagle_lookahead_hashes_at_the_hit_unit() -> None:
                        "latest+ckpt:branch:2")
     assert m.config.hash_lookahead_tokens == 1 and m.hasher.lookahead_tokens == 1
     assert run_prompt(m, "a", [*SYSTEM, 1, 2, 3]) == 0
+    run_prompt(m, "a2", [*SYSTEM, 6, 6, 6])  # leaves a at 12: a branch point
     m.add_request("b", [*SYSTEM, 4, 5])
     m.new_step()
     hit = m.find_longest_hit("b")
@@ -228,3 +234,23 @@ def test_short_prompts_workload_hits_only_with_branch() -> None:
 def test_block_copy_is_a_value() -> None:
     copy = BlockCopy(0, 1, 2, 12, True)  # type: ignore[arg-type]
     assert copy == BlockCopy(0, 1, 2, 12, True)  # type: ignore[arg-type]
+
+
+def test_a_one_off_divergence_takes_no_snapshot() -> None:
+    """b leaves a at 12, where no prompt left before: no snapshot (an agentic turn that
+    drops the previous prompt's last tokens would pay 3 blocks a turn for nothing); c
+    leaves there too: now it is a branch point, c's first chunk stops there and a
+    snapshot is taken."""
+    m = make()
+    run_prompt(m, "a", [*SYSTEM, 1, 2, 3])
+    m.add_request("b", [*SYSTEM, 4, 5])
+    hit = m.find_longest_hit("b")
+    assert (hit.num_tokens, hit.junction_tokens) == (8, 0)
+    assert m.allocate_slots("b", m.align_prefill_chunk("b", 6, hit), hit) is not None
+    assert m.take_block_copies() == []
+    m.new_step()
+    m.add_request("c", [*SYSTEM, 7, 7, 7])
+    hit = m.find_longest_hit("c")
+    assert (hit.num_tokens, hit.junction_tokens) == (8, 12)
+    assert m.allocate_slots("c", m.align_prefill_chunk("c", 7, hit), hit) is not None
+    assert [c.num_tokens for c in m.take_block_copies()] == [12, 12, 12]
