@@ -63,8 +63,8 @@ def test_sub_block_hits_are_identical(policy: str) -> None:
 
 def test_sub_block_hits_with_preemption_and_the_chunked_path() -> None:
     chunked = partial(gated_delta_chunked, chunking=Chunking(4))
-    report = _verify(BRANCH, workload="all", recurrence=chunked, num_blocks=28,
-                     chunk_size=24)
+    report = _verify(BRANCH, workload="all", recurrence=chunked, num_blocks=34,
+                     chunk_size=32)  # 2 preemptions, a sub-block hit (deterministic)
     report.raise_on_divergence()
     outcome = report.outcomes[0]
     assert outcome.num_preemptions > 0 and outcome.sub_block_hits > 0, outcome.line()
