@@ -395,9 +395,10 @@ def no_events(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _drive_eagle_divergence(machine: EagleBranchMachine) -> None:
     """Through the machine's own rules and oracle (invariants after each): ``a`` and ``b``
-    share a 12-token prefix ``S`` and diverge at token 12, so ``b``'s first chunk stops at
-    the branch point 10 (the unit ``[10, 12)`` is hashed with token 12) and leaves a
-    snapshot there; ``e`` shares ``[0, 10)`` but diverges at token 10."""
+    share a 12-token prefix ``S`` and diverge at token 12, so the branch point is 10 (the unit
+    ``[10, 12)`` is hashed with token 12); ``c`` leaves there as well, its first chunk stops
+    at 10 and leaves a snapshot (a second prompt leaving a branch point takes it); ``e``
+    shares ``[0, 10)`` but diverges at token 10."""
     machine.init_manager(HybridSetup((FullAttentionSpec(8, 1), RecurrentStateSpec(8, 1)), 64,
                                      "latest+ckpt:branch:2", True, None))
     system = [1, 2, 0, 1, 2, 0, 2, 2, 1, 0, 1, 1]
@@ -424,7 +425,8 @@ def _drive_eagle_divergence(machine: EagleBranchMachine) -> None:
         machine.preempt_or_finish(0, True)  # finished: the next request runs alone
 
     serve("a", [*system, 0, 0, 0])
-    serve("b", [*system, 2, 2])
+    serve("b", [*system, 2, 2])     # leaves a's prompt at the branch point 10
+    serve("c", [*system, 1, 1])     # leaves there too: its first chunk ends at 10, snapshot
     serve("e", [*system[:10], 2, 2, 2])
 
 
@@ -432,8 +434,8 @@ def test_the_eagle_scenario_passes_the_oracle(no_events: None) -> None:
     machine = EagleBranchMachine()
     _drive_eagle_divergence(machine)
     assert machine.manager.coordinator.branch is not None
-    assert machine.manager.coordinator.branch.num_snapshots == 1  # b's, at 10
-    assert machine.hit_at_admission["e"] == 8  # not 10: e's token 10 differs from b's
+    assert machine.manager.coordinator.branch.num_snapshots == 1  # c's, at 10
+    assert machine.hit_at_admission["e"] == 8  # not 10: e's token 10 differs from c's
     machine.teardown()
 
 
@@ -442,8 +444,8 @@ def test_sub_block_hits_ignoring_the_lookahead_are_caught(monkeypatch: pytest.Mo
                                                          no_events: None) -> None:
     """Sabotage (EAGLE): snapshots keyed and looked up by lookahead-free ``U``-hashes (the
     hash of ``[0, p)`` instead of ``[0, p + L)``), as a sub-block cache that ignored EAGLE
-    would: ``e``, diverging right at 10, gets ``b``'s snapshot at 10, whose drafter KV at
-    slot 9 was computed from ``b``'s token 10. The oracle's drafter check must object."""
+    would: ``e``, diverging right at 10, gets ``c``'s snapshot at 10, whose drafter KV at
+    slot 9 was computed from ``c``'s token 10. The oracle's drafter check must object."""
     plain_of: dict[BlockHash, BlockHash] = {}
     hash_with_lookahead = BlockHasher._hash_with_lookahead
 
