@@ -90,14 +90,21 @@ def main() -> int:
     parser.add_argument("--policy", default="prepend")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--before-src", type=Path, default=None,
+                        help="also run events on with this src (an earlier event log): "
+                        "variant 'on-before'")
     args = parser.parse_args()
     here = str(Path(__file__).resolve().parent.parent / "src")
     variants = {"base": str(args.base_src), "off": here, "on": here}
+    if args.before_src is not None:
+        variants["on-before"] = str(args.before_src)
     samples: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     names = list(variants)
     for rep in range(args.reps):
-        for variant in names[rep % 3:] + names[: rep % 3]:
-            samples[variant].append(run(variant, variants[variant], args))
+        shift = rep % len(names)
+        for variant in names[shift:] + names[:shift]:
+            samples[variant].append(run(variant.removesuffix("-before"), variants[variant],
+                                        args))
             print(f"rep {rep} {variant}: {samples[variant][-1]}", flush=True)
     med = {v: {k: statistics.median(s[k] for s in runs) for k in ("cpu_s", "manager_s")}
            for v, runs in samples.items()}
@@ -112,6 +119,9 @@ def main() -> int:
         "ratio_off_vs_base": {k: med["off"][k] / med["base"][k] for k in ("cpu_s", "manager_s")},
         "ratio_on_vs_off": {k: med["on"][k] / med["off"][k] for k in ("cpu_s", "manager_s")},
     }
+    if "on-before" in med:
+        report["ratio_on_before_vs_off"] = {
+            k: med["on-before"][k] / med["off"][k] for k in ("cpu_s", "manager_s")}
     print(json.dumps(report, indent=1))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1) + "\n")

@@ -33,7 +33,7 @@ from typing import Any
 
 import zmq
 
-from hybridkv.events import AllBlocksCleared, decode_batch, encode_batch
+from hybridkv.events import AllBlocksCleared, BlockStored, decode_batch, encode_batch
 from hybridkv.events.publisher import END_SEQ, ZmqEventPublisher
 from hybridkv.observe import KVEventStream
 from hybridkv.sim.model import load_model
@@ -87,7 +87,7 @@ def compare(payloads: list[bytes], vllm_events: Any, msgspec: Any) -> dict[str, 
     types: Counter[str] = Counter()
     kinds: Counter[str] = Counter()
     mismatches: list[str] = []
-    num_landing = 0
+    num_landing = num_tail_rule = 0
     byte_identical = 0
     for seq, payload in enumerate(payloads):
         theirs = decoder.decode(payload)
@@ -111,6 +111,8 @@ def compare(payloads: list[bytes], vllm_events: Any, msgspec: Any) -> dict[str, 
                 kinds[f"{t.group_idx}:{t.kv_cache_spec_kind}"] += 1
             if getattr(o, "landing_hashes", None):
                 num_landing += 1
+            if getattr(o, "landing_tail_blocks", None) is not None:
+                num_tail_rule += 1
         stripped = type(ours)(ts=ours.ts, data_parallel_rank=ours.data_parallel_rank,
                               events=[_without_landings(e) for e in ours.events])
         if encoder.encode(theirs) == encode_batch(stripped):
@@ -119,6 +121,7 @@ def compare(payloads: list[bytes], vllm_events: Any, msgspec: Any) -> dict[str, 
             mismatches.append(f"batch {seq}: vLLM re-encoding differs from ours")
     return {"batches": len(payloads), "events": dict(types), "stored_by_group_kind":
             dict(kinds), "events_with_landing_hashes": num_landing,
+            "events_with_landing_tail_rule": num_tail_rule,
             "byte_identical_batches": byte_identical, "mismatches": mismatches[:20],
             "num_mismatches": len(mismatches)}
 
@@ -134,6 +137,10 @@ def _plain(value: Any) -> Any:
 
 def _without_landings(event: Any) -> Any:
     import msgspec
+    if isinstance(event, BlockStored):
+        return msgspec.structs.replace(event, landing_hashes=None, landing_tail_blocks=None,
+                                       landing_alignment_tokens=None,
+                                       first_block_index=None)
     return msgspec.structs.replace(event, landing_hashes=None) \
         if hasattr(event, "landing_hashes") else event
 

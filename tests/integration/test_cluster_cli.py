@@ -57,6 +57,7 @@ def test_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixtur
     (["--load-weight", "nan"], "--load-weight"),
     (["--plot", "{out}/p.txt"], "plot format"),
     (["--json", "{out}/missing/x.json"], "does not exist"),
+    (["--json", "{out}/same.png", "--plot", "{out}/same.png"], "same file as --json"),
     (["--num-blocks", "20"], "needs at least"),
     (["--instances", "3000"], "at most"),
 ])

@@ -385,12 +385,67 @@ def test_a_copy_from_the_wrong_block_is_caught(monkeypatch: pytest.MonkeyPatch,
     _sabotaged_run(monkeypatch, HybridCoordinator, "_snapshot_branch_point", wrong_source)
 
 
+@pytest.fixture
+def no_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machines record hypothesis ``event``s, which only a running test may do: driven
+    by hand, they record nothing."""
+    monkeypatch.setattr(base, "event", lambda *args, **kwargs: None)
+    monkeypatch.setitem(globals(), "event", lambda *args, **kwargs: None)
+
+
+def _drive_eagle_divergence(machine: EagleBranchMachine) -> None:
+    """Through the machine's own rules and oracle (invariants after each): ``a`` and ``b``
+    share a 12-token prefix ``S`` and diverge at token 12, so the branch point is 10 (the unit
+    ``[10, 12)`` is hashed with token 12); ``c`` leaves there as well, its first chunk stops
+    at 10 and leaves a snapshot (a second prompt leaving a branch point takes it); ``e``
+    shares ``[0, 10)`` but diverges at token 10."""
+    machine.init_manager(HybridSetup((FullAttentionSpec(8, 1), RecurrentStateSpec(8, 1)), 64,
+                                     "latest+ckpt:branch:2", True, None))
+    system = [1, 2, 0, 1, 2, 0, 2, 2, 1, 0, 1, 1]
+
+    def check() -> None:
+        machine.manager_invariants()
+        machine.snapshot_agrees_with_the_pool()
+        machine.tables_hold_the_right_content()
+
+    def serve(req_id: str, tokens: list[int]) -> None:
+        machine.manager.add_request(req_id, tokens)
+        machine.prompt_len[req_id] = len(tokens)
+        machine.new_step()
+        machine.admit_aligned(0, False)
+        check()
+        for _ in range(len(tokens)):
+            if machine.manager.num_computed_tokens(req_id) == len(tokens):
+                break
+            machine.new_step()
+            machine.step_aligned(0)
+            check()
+        assert machine.manager.num_computed_tokens(req_id) == len(tokens)
+        machine.new_step()
+        machine.preempt_or_finish(0, True)  # finished: the next request runs alone
+
+    serve("a", [*system, 0, 0, 0])
+    serve("b", [*system, 2, 2])     # leaves a's prompt at the branch point 10
+    serve("c", [*system, 1, 1])     # leaves there too: its first chunk ends at 10, snapshot
+    serve("e", [*system[:10], 2, 2, 2])
+
+
+def test_the_eagle_scenario_passes_the_oracle(no_events: None) -> None:
+    machine = EagleBranchMachine()
+    _drive_eagle_divergence(machine)
+    assert machine.manager.coordinator.branch is not None
+    assert machine.manager.coordinator.branch.num_snapshots == 1  # c's, at 10
+    assert machine.hit_at_admission["e"] == 8  # not 10: e's token 10 differs from c's
+    machine.teardown()
+
+
 def test_sub_block_hits_ignoring_the_lookahead_are_caught(monkeypatch: pytest.MonkeyPatch,
-                                                         pure_python: None) -> None:
+                                                         pure_python: None,
+                                                         no_events: None) -> None:
     """Sabotage (EAGLE): snapshots keyed and looked up by lookahead-free ``U``-hashes (the
     hash of ``[0, p)`` instead of ``[0, p + L)``), as a sub-block cache that ignored EAGLE
-    would: a prompt diverging right at ``p`` gets a snapshot whose drafter KV at slot
-    ``p - 1`` was computed from another token. The drafter check must fail the run."""
+    would: ``e``, diverging right at 10, gets ``c``'s snapshot at 10, whose drafter KV at
+    slot 9 was computed from ``c``'s token 10. The oracle's drafter check must object."""
     plain_of: dict[BlockHash, BlockHash] = {}
     hash_with_lookahead = BlockHasher._hash_with_lookahead
 
@@ -427,8 +482,9 @@ def test_sub_block_hits_ignoring_the_lookahead_are_caught(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(BlockHasher, "_hash_with_lookahead", recording)
     monkeypatch.setattr(BranchSnapshots, "find_partial_hit", plain_lookup)
-    _sabotaged_run(monkeypatch, BranchSnapshots, "take_snapshot", plain_snapshot,
-                   PlainKeys, match="drafter")
+    monkeypatch.setattr(BranchSnapshots, "take_snapshot", plain_snapshot)
+    with pytest.raises(AssertionError, match="drafter KV saw"):
+        _drive_eagle_divergence(PlainKeys())
 
 
 def test_an_alias_of_the_wrong_block_is_caught(monkeypatch: pytest.MonkeyPatch,

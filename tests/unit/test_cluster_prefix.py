@@ -9,7 +9,7 @@ from hybridkv.cluster.command import run_router
 from hybridkv.cluster.instance import Instance, InstanceSettings
 from hybridkv.cluster.prefix import PrefixRouter, make_prefix_router
 from hybridkv.cluster.routers import Load, Route, RouteRequest
-from hybridkv.cluster.simulate import ClusterSettings, run_cluster, serial_backend
+from hybridkv.cluster.simulate import ClusterRun, ClusterSettings, run_cluster, serial_backend
 from hybridkv.config import CacheConfig
 from hybridkv.events.schema import external_hash
 from hybridkv.sim.model import load_model
@@ -77,8 +77,9 @@ def test_router_sees_only_events() -> None:
 
 
 def test_load_weight_keeps_a_prefix_router_balancing() -> None:
-    """score = matched - weight x queued: a 16-token match beats a backlog of 15 tokens,
-    not one of 17; with weight 0 the match alone decides."""
+    """score = exact hit + chain - weight x queued: instance 1's 16-token landable hit on
+    a 16-token chain (32) beats a backlog of 31 tokens, not one of 33; with weight 0 the
+    match alone decides."""
     trace, config = _tail_trace(), _tiny()
     instance = Instance(1, trace, config, "latest", InstanceSettings(), events=True)
     events = instance.advance([1], 5).events
@@ -87,8 +88,8 @@ def test_load_weight_keeps_a_prefix_router_balancing() -> None:
     greedy = make_prefix_router(2, config, trace, residency=True, load_weight=0.0)
     for each in (router, greedy):
         each.observe(1, events)
-    assert router.route(request, [Load(0, 0), Load(15, 1)]) == Route(1, 16)
-    assert router.route(request, [Load(0, 0), Load(17, 1)]) == Route(0, 0)
+    assert router.route(request, [Load(0, 0), Load(31, 1)]) == Route(1, 16)
+    assert router.route(request, [Load(0, 0), Load(33, 1)]) == Route(0, 0)
     assert greedy.route(request, [Load(0, 0), Load(10**6, 9)]).instance == 1
 
 
@@ -135,3 +136,53 @@ def test_router_without_events_falls_back_to_least_loaded() -> None:
     run = run_cluster(trace, router, serial_backend(trace, config, "latest", _settings(),
                                                     events=False), _settings())
     assert run.predicted_hit_tokens == 0  # no stream, no prediction
+
+
+def _locality_trace() -> Trace:
+    """r0 (P, 33 tokens) runs first: under ``latest`` its instance keeps P's full-attention
+    chain but the window tail only at 32. Then z (9 unrelated tokens) and r1 (P[:24] + 16
+    new tokens), then r2 (P[:24] + 16 other tokens). No instance ever holds a landable
+    point at 24 before r1 runs: only a request computed where P's chain lives creates one
+    (its shared-prefix junction)."""
+    return Trace("locality", (
+        TraceRequest("r0", 33, 1, token_ids=P),
+        TraceRequest("z", 9, 1, token_ids=tuple(range(500, 509)), phase=1),
+        TraceRequest("r1", 40, 1, token_ids=(*P[:24], *range(600, 616)), phase=1),
+        TraceRequest("r2", 40, 1, token_ids=(*P[:24], *range(700, 716)), phase=2),
+    ))
+
+
+def _run_prefix(trace: Trace, config: CacheConfig, *, residency: bool,
+                locality: bool = True) -> ClusterRun:
+    settings = _settings()
+    router = make_prefix_router(2, config, trace, residency=residency, load_weight=1.0,
+                                locality=locality)
+    return run_cluster(trace, router, serial_backend(trace, config, "latest", settings,
+                                                     events=True), settings)
+
+
+def test_residency_router_keeps_locality_where_no_tail_is_landable() -> None:
+    """z goes to instance 0 (a tie); r1 has no landable point anywhere. Scoring exact hits
+    only (``locality=False``, the session-2 rule) sends r1 to the idle instance 1 and r2
+    then finds nothing; the full-attention chain as the locality term keeps r1 with P's
+    chain on instance 0, where r1's junction makes 24 landable and r2 hits it, exactly as
+    predicted (the full-attention-only index predicts a phantom 24 for r1)."""
+    trace, config = _locality_trace(), _tiny()
+    scattered = _run_prefix(trace, config, residency=True, locality=False)
+    kept = _run_prefix(trace, config, residency=True)
+    fa = _run_prefix(trace, config, residency=False)
+    assert scattered.routed_by_instance == [3, 1] and scattered.hit_tokens == 0
+    assert kept.routed_by_instance == [4, 0] and kept.hit_tokens == 24
+    assert kept.predicted_hit_tokens == 24 and kept.phantom_hit_tokens == 0
+    assert fa.hit_tokens == 24 and fa.phantom_hit_tokens == 24
+
+
+def test_an_exact_hit_breaks_a_chain_tie() -> None:
+    """Both instances hold r2's 16-token chain (P[:16]); only instance 1 can land a hit
+    there (r1's prompt end). Residency scores 16 + 16 there against 0 + 16 on instance 0;
+    the full-attention index sees 16 on both and takes the tie's lowest index: a phantom."""
+    trace, config = _tail_trace(), _tiny()
+    kept = _run_prefix(trace, config, residency=True)
+    fa = _run_prefix(trace, config, residency=False)
+    assert kept.routed_by_instance == [1, 2] and kept.hit_tokens == 16
+    assert fa.routed_by_instance == [2, 1] and fa.hit_tokens == 0

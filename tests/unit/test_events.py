@@ -21,7 +21,12 @@ from hybridkv.events import (
 )
 from hybridkv.events.replica import ResidentReplica
 from hybridkv.hashing import ExtraKeys
-from hybridkv.specs import FullAttentionSpec, RecurrentStateSpec, SlidingWindowSpec
+from hybridkv.specs import (
+    ChunkedLocalSpec,
+    FullAttentionSpec,
+    RecurrentStateSpec,
+    SlidingWindowSpec,
+)
 
 GOLDEN = Path(__file__).parent / "data" / "kv_events_golden.hex"
 
@@ -40,8 +45,10 @@ def _admit(manager: KVCacheManager, req_id: str, tokens: list[int], **kw: object
 
 
 def _golden_stream() -> bytes:
-    """A fixed scenario: stores in two groups, an eviction, a reset."""
-    manager = _manager(FullAttentionSpec(4, 1), SlidingWindowSpec(4, 1, 8), num_blocks=10)
+    """A fixed scenario: stores in three groups (full; a window, whose events announce the
+    capped tail rule; chunked local, whose events list landings), an eviction, a reset."""
+    manager = _manager(FullAttentionSpec(4, 1), SlidingWindowSpec(4, 1, 8),
+                       ChunkedLocalSpec(4, 1, 8), num_blocks=15)
     batches = []
     _admit(manager, "a", list(range(13)), session_id="s1",
            extra_keys=ExtraKeys(lora_name="ad", cache_salt="salt"))
@@ -74,8 +81,12 @@ def test_golden_sample_decodes_to_the_scenario() -> None:
     batches = [decode_batch(p) for p in _split(bytes.fromhex(GOLDEN.read_text().strip()))]
     assert [b.ts for b in batches] == [1.0, 2.0, 3.0]
     first = batches[0].events
-    assert [type(e) for e in first] == [BlockStored, BlockStored]
-    full, window = first
+    assert [type(e) for e in first] == [BlockStored, BlockStored, BlockStored]
+    full, window, chunked = first
+    assert (window.landing_tail_blocks, window.landing_alignment_tokens,
+            window.first_block_index, window.landing_hashes) == (2, 4, 0, None)
+    assert chunked.kv_cache_spec_kind == "chunked_local_attention"
+    assert chunked.landing_hashes and chunked.landing_tail_blocks is None
     assert full.group_idx == 0 and full.kv_cache_spec_kind == "full_attention"
     assert window.group_idx == 1 and window.kv_cache_spec_kind == "sliding_window"
     assert window.kv_cache_spec_sliding_window == 8 and full.kv_cache_spec_sliding_window is None
@@ -159,19 +170,25 @@ def test_replica_catches_a_gap() -> None:
 
 
 def test_window_landings_follow_the_tail() -> None:
-    """bs 4, window 8 (2 tail blocks): blocks 0-2 land 4, 8, 12; losing block 1 loses 8
-    and 12 (both need it), and 4 stays (a run from block 0 suffices there)."""
+    """bs 4, window 8 (2 tail blocks): the window's events announce the capped rule instead
+    of listing landings, and a replica derives them: blocks 0-2 land 4, 8, 12; losing
+    blocks 0 and 1 loses all three (12 needs block 1)."""
     manager = _manager(FullAttentionSpec(4, 1), SlidingWindowSpec(4, 1, 8), num_blocks=9)
     _admit(manager, "a", list(range(13)))
     chain = [external_hash(h) for h in manager.hasher.hash_blocks(list(range(13)))]
     events = manager.take_events()
     window = next(e for e in events if isinstance(e, BlockStored) and e.group_idx == 1)
-    assert window.landing_hashes is not None and set(window.landing_hashes) == set(chain[:3])
+    assert (window.landing_tail_blocks, window.landing_alignment_tokens,
+            window.first_block_index, window.landing_hashes) == (2, 4, 0, None)
+    replica = ResidentReplica()
+    replica.apply_all(events)
+    assert replica.landable[1] == set(chain[:3])
     manager.remove_request("a")
     manager.evict_prefix(list(range(8)))  # drops blocks 0 and 1 of both groups
-    removed = [e for e in manager.take_events() if isinstance(e, BlockRemoved)]
-    lost = {h for e in removed if e.group_idx == 1 for h in (e.landing_hashes or ())}
-    assert lost == set(chain[:3])  # block 0 carried 4 and 8, block 1 carried 8 and 12
+    removed = manager.take_events()
+    assert all(isinstance(e, BlockRemoved) and e.landing_hashes is None for e in removed)
+    replica.apply_all(removed)
+    assert replica.landable[1] == set() and set(replica.resident[1]) == {chain[2]}
 
 
 def test_recurrent_landing_is_its_checkpoint() -> None:
@@ -183,8 +200,11 @@ def test_recurrent_landing_is_its_checkpoint() -> None:
     events = manager.take_events()
     recurrent = [e for e in events if isinstance(e, BlockStored) and e.group_idx == 1]
     assert recurrent and recurrent[0].kv_cache_spec_kind == "mamba"
+    replica = ResidentReplica()
+    replica.apply_all(events)
     for event in recurrent:
-        assert event.landing_hashes == event.block_hashes  # one checkpoint = one landing
+        assert event.landing_tail_blocks == 1  # one checkpoint = one landing
+        assert set(event.block_hashes) <= replica.landable[1]
 
 
 def test_reset_is_one_all_blocks_cleared() -> None:

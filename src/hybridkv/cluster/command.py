@@ -42,7 +42,7 @@ from hybridkv.sim.commands import (
     resolve_source,
 )
 from hybridkv.sim.model import load_model
-from hybridkv.sim.outputs import StagedOutputs, check_output_path
+from hybridkv.sim.outputs import StagedOutputs, check_output_paths
 from hybridkv.sim.trace import Trace
 
 DEFAULT_POLICY = "latest"
@@ -123,11 +123,8 @@ def _single_policy(text: str, source: Source) -> str:
 
 
 def cmd_cluster(args: argparse.Namespace, console: Console, err_console: Console) -> int:
-    json_path = None if args.json is None else check_output_path("--json", args.json)
-    plot_path = None if args.plot is None else check_output_path("--plot", args.plot, plot=True)
-    if json_path is not None and plot_path is not None and \
-            json_path.resolve() == plot_path.resolve():
-        raise ConfigError("--plot", str(args.plot), "is the same file as --json")
+    outputs = check_output_paths([("--json", args.json), ("--plot", args.plot)])
+    json_path, plot_path = outputs["--json"], outputs["--plot"]
     if args.instances > MAX_INSTANCES:
         raise ConfigError("--instances", args.instances, f"at most {MAX_INSTANCES}")
     if args.ray:

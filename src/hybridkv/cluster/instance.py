@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
-from hybridkv.sim.replay import LazyPrompt, _PromptHasher, no_progress_error
+from hybridkv.sim.replay import LazyPrompt, OutputSampler, _PromptHasher, no_progress_error
 from hybridkv.sim.scheduler import SchedRequest, Scheduler
 from hybridkv.sim.trace import OUTPUT_TOKEN_BASE, Trace
 
@@ -122,9 +122,9 @@ class Instance:
                                    lookahead_requests=settings.lookahead_requests,
                                    admission=settings.admission)
         self._hasher = _PromptHasher(self.manager.hasher)
-        self._next_output = OUTPUT_TOKEN_BASE + index * OUTPUT_IDS_PER_INSTANCE
+        self._sampler = OutputSampler(first_id=OUTPUT_TOKEN_BASE
+                                      + index * OUTPUT_IDS_PER_INSTANCE)
         self._index_of: dict[str, int] = {}
-        self._fixed_outputs: dict[str, tuple[int, ...]] = {}
         self.busy_steps = 0
         self._epochs = 0
 
@@ -135,8 +135,7 @@ class Instance:
         for index in arrivals:
             request = self.trace.requests[index]
             self._index_of[request.request_id] = index
-            if request.output_token_ids:
-                self._fixed_outputs[request.request_id] = request.output_token_ids
+            self._sampler.add(request)
             scheduler.add_request(SchedRequest(
                 request.request_id, LazyPrompt(request, index), max(1, request.output_length),
                 session_id=request.session_id, phase=request.phase, tag=request.tag,
@@ -161,25 +160,16 @@ class Instance:
             raise no_progress_error(self.trace, self.policy, self.config, self.manager,
                                     scheduler, plan.preempted)
         self.busy_steps += 1
-        sampled = {chunk.req_id: self._sample(scheduler.requests[chunk.req_id])
+        sampled = {chunk.req_id: self._sampler.sample(scheduler.requests[chunk.req_id])
                    for chunk in plan.chunks if chunk.samples}
         for req_id in scheduler.update(plan, sampled):
             request = scheduler.requests.pop(req_id)
-            self._fixed_outputs.pop(req_id, None)
+            self._sampler.forget(req_id)
             finished.append(Finished(self._index_of.pop(req_id),
                                      len(request.prompt_token_ids),
                                      request.first_hit_tokens or 0))
         if self.settings.check_invariants:
             self.manager.check_invariants()
-
-    def _sample(self, request: SchedRequest) -> int:
-        fixed = self._fixed_outputs.get(request.req_id)
-        position = len(request.output_token_ids)
-        if fixed is not None and position < len(fixed):
-            return fixed[position]
-        token = self._next_output
-        self._next_output += 1
-        return token
 
     def queued_tokens(self) -> int:
         """Prompt tokens routed here and not yet computed (or loaded from the cache)."""

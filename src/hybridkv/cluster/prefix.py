@@ -19,12 +19,25 @@ with too) and scores every instance:
   ``[0, p)``) is landable in every non-full group the streams have shown. A
   full-attention match whose tail or checkpoint is gone is not a hit.
 
-**Score** (both): ``matched_tokens - load_weight * queued_tokens``; the highest wins, ties
-go to the least-loaded instance. With ``load_weight`` 1 the score is minus the prefill
-tokens the instance must compute before this request's first token (its backlog plus the
-request's own miss, up to a constant), so a prefix is followed only while it saves more
-work than the queue in front of it costs — the router keeps balancing (``docs/design.md``).
-It is a cost model, not a tuned constant; ``--load-weight 0`` routes on the match alone.
+**Score.** ``value - load_weight * queued_tokens``; the highest wins, ties go to the
+least-loaded instance. With ``load_weight`` 1 the load term is the prefill backlog the
+request queues behind, so a prefix is followed only while it is worth more than that
+queue (``--load-weight 0`` routes on the value alone). The value:
+
+- ``prefix-fa``: the full-attention chain ``c`` (what it believes the request hits).
+- ``prefix-residency``: ``h + c``, the exact landable hit ``h`` plus the chain ``c``
+  (``h <= c``). ``h`` is this request's saving. ``c`` is *locality*: what the instance
+  holds of the prefix. Where ``h < c`` the request recomputes ``[h, prompt)`` there, but
+  the junction policies (``latest``, ``interval``, ``+recompute``…) keep the window tail /
+  checkpoint at the shared-prefix junction ``c``, so the next request that shares the
+  prefix hits ``c`` on that instance, and only there. ``h + c`` is the saving over a
+  two-request horizon (this request now, the next sharer later); scoring ``h`` alone (the
+  session-2 rule) sent a request whose prefix had no landable point anywhere to the
+  least-loaded instance, scattering a prefix family so that no instance ever built its
+  junction. Worked example (one instance holds a 24-token chain without a landable point,
+  the other nothing, backlogs 9 and 0): ``0 + 24 - 9 = 15 > 0``, so the request joins the
+  chain; with ``h`` alone it went to the idle instance (``tests/unit/test_cluster_prefix.py``).
+  Among equal chains the exact hit decides, where the full-attention index guesses.
 
 The router never reads an instance's manager: everything above comes from the events and
 the load reports (a test feeds a router a stream and checks it against the manager).
@@ -82,8 +95,9 @@ class PrefixRouter(Router):
     uses_events = True
 
     def __init__(self, num_instances: int, trace: Trace, hasher: BlockHasher, *,
-                 residency: bool, load_weight: float = 1.0) -> None:
+                 residency: bool, load_weight: float = 1.0, locality: bool = True) -> None:
         super().__init__(num_instances)
+        self.locality = locality
         self.name = "prefix-residency" if residency else "prefix-fa"
         self.residency = residency
         self.load_weight = load_weight
@@ -92,7 +106,6 @@ class PrefixRouter(Router):
         self.replicas = [ResidentReplica() for _ in range(num_instances)]
         self.layout = GroupLayout()
         self._prompt_hasher = _PromptHasher(hasher)
-
 
     def observe(self, instance: int, payloads: Sequence[bytes]) -> None:
         """Decode the instance's published batches (vLLM 0.33 msgpack) and apply them."""
@@ -116,18 +129,23 @@ class PrefixRouter(Router):
         if not self.layout.full_groups:  # nothing cached anywhere yet
             return Route(least_loaded(loads))
         external = [external_hash(h) for h in self.prompt_hashes(request.trace_index)]
-        matches = [self.match(i, external, request.prompt_tokens)
-                   for i in range(self.num_instances)]
+        n = self.num_instances
+        chains = [self.chain(i, external, request.prompt_tokens) for i in range(n)]
+        if self.residency:
+            exact = [self._landable(self.replicas[i], external, chains[i]) if chains[i] else 0
+                     for i in range(n)]
+            value = [exact[i] + chains[i] for i in range(n)] if self.locality else exact
+        else:
+            exact = value = chains
         weight = self.load_weight
-        best = min(range(self.num_instances), key=lambda i: (
-            -(matches[i] - weight * loads[i].queued_tokens), loads[i].queued_tokens,
+        best = min(range(n), key=lambda i: (
+            -(value[i] - weight * loads[i].queued_tokens), loads[i].queued_tokens,
             loads[i].num_requests, i))
-        return Route(best, matches[best])
+        return Route(best, exact[best])
 
-    def match(self, instance: int, external: Sequence[int], prompt_tokens: int) -> int:
-        """Tokens the router expects instance ``instance`` to hit for a prompt of
-        ``prompt_tokens`` tokens whose chained hashes (external form, one per hash
-        block) are ``external``."""
+    def chain(self, instance: int, external: Sequence[int], prompt_tokens: int) -> int:
+        """Tokens of the request's full-attention chain resident on ``instance`` in every
+        full-attention group (whole full-attention blocks, at most ``prompt - 1``)."""
         hb = self.hasher.block_size
         replica = self.replicas[instance]
         limit = prompt_tokens - 1
@@ -138,10 +156,18 @@ class PrefixRouter(Router):
                                              self.layout.block_size[group] // hb, hb))
             if limit <= 0:
                 return 0
-        if not self.residency:
-            full_block = min(self.layout.block_size[g] for g in self.layout.full_groups)
-            return limit // full_block * full_block
-        return self._landable(replica, external, limit)
+        full_block = min(self.layout.block_size[g] for g in self.layout.full_groups)
+        return limit // full_block * full_block
+
+    def match(self, instance: int, external: Sequence[int], prompt_tokens: int) -> int:
+        """Tokens the router expects instance ``instance`` to hit for a prompt of
+        ``prompt_tokens`` tokens whose chained hashes (external form, one per hash
+        block) are ``external``: the full-attention chain (``prefix-fa``) or the
+        longest landable point on it (``prefix-residency``)."""
+        chain = self.chain(instance, external, prompt_tokens)
+        if not self.residency or not chain:
+            return chain
+        return self._landable(self.replicas[instance], external, chain)
 
     def _landable(self, replica: ResidentReplica, external: Sequence[int], limit: int) -> int:
         """The largest aligned ``p <= limit`` landable in every non-full group."""
@@ -179,11 +205,12 @@ def _chain_tokens(resident: dict[int | bytes, int], external: Sequence[int], rat
 
 
 def make_prefix_router(num_instances: int, config: CacheConfig, trace: Trace, *,
-                       residency: bool, load_weight: float) -> PrefixRouter:
+                       residency: bool, load_weight: float,
+                       locality: bool = True) -> PrefixRouter:
     hasher = BlockHasher(config.hash_block_size, config.hash_algo,
                          config.hash_lookahead_tokens)
     return PrefixRouter(num_instances, trace, hasher, residency=residency,
-                        load_weight=load_weight)
+                        load_weight=load_weight, locality=locality)
 
 
 __all__ = ["FULL_KINDS", "GroupLayout", "PrefixRouter", "make_prefix_router"]

@@ -17,20 +17,22 @@ Event shapes (vLLM 0.33's ``BlockPool``):
 - one ``BlockRemoved`` per removed copy (a hash cached twice is stored and removed twice);
 - ``AllBlocksCleared`` for ``reset_prefix_cache``.
 
-Residency (``landing_hashes``). For a non-full group, a hit at an aligned ``p`` needs the
-``k = manager.hit_tail_blocks(p)`` blocks ending at ``p`` (window tails, the recurrent
-checkpoint at ``p``, compressor state). The log keeps, per group, the resident hashes (with
-their number of copies) and the set of *landable* ``p`` — each named by the chained hash of
-``[0, p)``, which is also the hash of the group's block ending at ``p`` — and reports each
-change on the event that caused it. It tracks, per resident block, how many resident
-blocks in a row end at it along its chain (capped at the largest tail): ``p`` is landable
-when that run reaches ``k``; a store or removal updates the runs of the resident blocks
-after it on its chains (usually none: runs are stored in order and freed tail first).
-Worked example (bs 4, window 8 → 2 tail blocks, alignment 4): storing blocks 0–2 of a
-chain ``h0 h1 h2`` in one run lands ``p = 4``
-(``k = 1``: a run from block 0 suffices), ``8`` (blocks 0–1) and ``12`` (blocks 1–2):
-``landing_hashes = [h0, h1, h2]``; removing block 1 then reports ``[h1, h2]`` (8 and 12
-need it), and 4 stays landable.
+Residency: for each non-full group, where a hit at an aligned ``p`` can land (its tail:
+the ``k = manager.hit_tail_blocks(p)`` blocks ending at ``p`` — window tails, the recurrent
+checkpoint at ``p``, compressor state — all resident). Two encodings, both ignored by
+vLLM's decoder:
+
+- *capped* groups, whose rule is ``k = min(t, blocks before p)`` (sliding windows,
+  recurrent checkpoints; checked against the manager's own rule when the log is built):
+  their ``BlockStored`` events carry ``landing_tail_blocks`` (``t``),
+  ``landing_alignment_tokens`` and ``first_block_index`` (the table position of the
+  event's first block), from which a consumer rebuilds the landable points itself
+  (``ResidentReplica`` with ``landing.LandingRuns``). The log does no per-block residency
+  work for them: the cost of the index is the consumer's, as a router's index is;
+- other non-full groups (chunked local attention, compressor state): the log tracks the
+  landable points (``LandingRuns`` with the manager's rule) and reports each flip on the
+  event that caused it, ``landing_hashes`` (each point named by the chained hash of
+  ``[0, p)``, also the hash of the group's block ending at ``p``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybridkv.errors import InvariantViolation
+from hybridkv.events.landing import LandingRuns
 from hybridkv.events.schema import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -131,24 +134,24 @@ class EventLog:
         num_groups = len(self.groups)
         self.resident: list[dict[int, int]] = [{} for _ in range(num_groups)]
         """Per group: external hash → cached copies (what the events say is cached)."""
-        self.landable: list[set[int]] = [set() for _ in range(num_groups)]
-        """Per non-full group: keys of blocks ending at a point where a hit can land."""
-        self._run: list[dict[int, int]] = [{} for _ in range(num_groups)]
-        """Per non-full group: resident key → resident blocks in a row ending at it along
-        its chain (capped at the largest tail)."""
-        self._node: list[dict[int, tuple[int, int | None]]] = [{} for _ in range(num_groups)]
-        """Per non-full group: resident key → (table position, chain predecessor key)."""
-        self._children: list[dict[int, set[int]]] = [{} for _ in range(num_groups)]
-        """Per non-full group: key → resident keys whose predecessor it is."""
+        self._landing: list[LandingRuns | None] = [
+            None if info.max_tail_blocks == 0 or info.capped_prefix_rule else
+            LandingRuns(info.block_size, alignment_tokens, info.max_tail_blocks, info.need_at)
+            for info in self.groups]
+        """Per group: the landing tracker of a non-full group whose tail rule only the
+        manager knows (``landing_hashes`` are published for it); ``None`` for full groups
+        and for capped-rule groups, whose consumers derive landability themselves."""
 
     # ------------------------------------------------------------------ intake
     def clear(self) -> None:
         """``reset_prefix_cache``: one ``AllBlocksCleared`` after what came before."""
         self.flush(None)
         self._events.append(AllBlocksCleared())
-        for per_group in (self.resident, self.landable, self._run, self._node, self._children):
-            for entry in per_group:
-                entry.clear()
+        for resident in self.resident:
+            resident.clear()
+        for landing in self._landing:
+            if landing is not None:
+                landing.clear()
 
     def forget(self, req_id: str) -> None:
         """The request left: drop its hash → position index."""
@@ -159,22 +162,36 @@ class EventLog:
         records = self.records
         if not records:
             return
+        index: dict[BlockHash, int] = {}
+        if request is not None:
+            index = self._indexed(request)[0]
+        groups = self.groups
         run: list[int] = []  # consecutive table positions stored in one group
         run_group = -1
+        last = -2
         for op, group_id, block_hash in records:
             if op == REMOVED:
-                self._emit_run(run_group, run, request)
-                run, run_group = [], -1
+                if run:
+                    self._emit_run(run_group, run, request)
+                    run, run_group, last = [], -1, -2
                 self._remove(group_id, block_hash)
                 continue
             if request is None:
                 raise InvariantViolation("a block was cached outside a request's caching step")
-            position = self._block_position(request, group_id, block_hash)
-            if group_id != run_group or position != run[-1] + 1:
-                self._emit_run(run_group, run, request)
+            found = index.get(block_hash)
+            ratio = groups[group_id].hash_ratio
+            if found is None or (found + 1) % ratio:
+                raise InvariantViolation(f"group {group_id} cached a hash that is not a block "
+                                         f"end of request {request.req_id!r}")
+            position = (found + 1) // ratio - 1
+            if group_id != run_group or position != last + 1:
+                if run:
+                    self._emit_run(run_group, run, request)
                 run, run_group = [], group_id
             run.append(position)
-        self._emit_run(run_group, run, request)
+            last = position
+        if run:
+            self._emit_run(run_group, run, request)
         records.clear()
 
     def take_events(self) -> list[KVEvent]:
@@ -200,15 +217,6 @@ class EventLog:
     def _external_chain(self, request: RequestContext) -> list[int]:
         return self._indexed(request)[1]
 
-    def _block_position(self, request: RequestContext, group_id: int,
-                        block_hash: BlockHash) -> int:
-        found = self._indexed(request)[0].get(block_hash)
-        ratio = self.groups[group_id].hash_ratio
-        if found is None or (found + 1) % ratio:
-            raise InvariantViolation(f"group {group_id} cached a hash that is not a block "
-                                     f"end of request {request.req_id!r}")
-        return (found + 1) // ratio - 1
-
     def _emit_run(self, group_id: int, run: list[int],
                   request: RequestContext | None) -> None:
         if not run or request is None:
@@ -217,12 +225,22 @@ class EventLog:
         bs, ratio = info.block_size, info.hash_ratio
         chain = self._external_chain(request)
         first, last = run[0], run[-1]
-        keys = [chain[(i + 1) * ratio - 1] for i in range(first, last + 1)]
+        keys = chain[(first + 1) * ratio - 1:(last + 1) * ratio:ratio]
         landings: list[int] = []
-        parent = None if first == 0 else chain[first * ratio - 1]
-        for position, key in zip(range(first, last + 1), keys, strict=True):
-            self._store(info, position, key, parent, landings)
-            parent = key
+        resident = self.resident[group_id]
+        landing = self._landing[group_id]
+        if landing is None:  # full attention or a capped rule: only the copy counts change
+            for key in keys:
+                resident[key] = resident.get(key, 0) + 1
+        else:
+            parent = None if first == 0 else chain[first * ratio - 1]
+            for position, key in enumerate(keys, first):
+                copies = resident.get(key, 0)
+                resident[key] = copies + 1
+                if not copies:
+                    landing.store(position, key, parent, landings)
+                parent = key
+        derived = info.capped_prefix_rule
         tokens = request.token_ids
         lookahead = self.lookahead_tokens
         extra = request.extra_keys
@@ -234,8 +252,9 @@ class EventLog:
             lora_id=None,
             medium=self.medium,
             lora_name=None if extra is None else extra.lora_name,
-            extra_keys=[_event_extra_keys(extra, i * bs, (i + 1) * bs + lookahead)
-                        for i in range(first, last + 1)],
+            extra_keys=[None] * len(keys) if extra is None or extra.is_empty else
+            [_event_extra_keys(extra, i * bs, (i + 1) * bs + lookahead)
+             for i in range(first, last + 1)],
             group_idx=group_id,
             kv_cache_spec_kind=info.kind,
             kv_cache_spec_sliding_window=info.sliding_window,
@@ -243,111 +262,36 @@ class EventLog:
             lookahead_token_ids=[list(tokens[(i + 1) * bs : (i + 1) * bs + lookahead])
                                  for i in range(first, last + 1)] if lookahead else None,
             landing_hashes=landings or None,
+            landing_tail_blocks=info.max_tail_blocks if derived else None,
+            landing_alignment_tokens=self.alignment_tokens if derived else None,
+            first_block_index=first if derived else None,
         ))
 
-    # --------------------------------------------------------------- residency
-    def _store(self, info: GroupEventInfo, position: int, key: int, parent: int | None,
-               added: list[int]) -> None:
-        """Count one more copy of ``key`` (the group's block at ``position``, whose chain
-        predecessor is ``parent``); append the points it made landable to ``added``."""
-        group_id = info.group_id
-        resident = self.resident[group_id]
-        copies = resident.get(key, 0)
-        resident[key] = copies + 1
-        if copies or info.max_tail_blocks == 0:
-            return
-        self._node[group_id][key] = (position, parent)
-        runs = self._run[group_id]
-        run = 1
-        if parent is not None:
-            self._children[group_id].setdefault(parent, set()).add(key)
-            run = min(info.max_tail_blocks, 1 + runs.get(parent, 0))
-        if key in self._children[group_id]:  # resident blocks after it: carry the run down
-            self._propagate(info, key, run, added)
-            return
-        runs[key] = run  # the common case: the newest block of its chain
-        if (position + 1) * info.block_size % self.alignment_tokens == 0:
-            need = info.need_at(position)
-            if need and run >= need:
-                self.landable[group_id].add(key)
-                added.append(key)
-
-    def _propagate(self, info: GroupEventInfo, key: int, run: int, changed: list[int]) -> None:
-        """Set the resident-run length ending at ``key`` (capped at the largest tail) and
-        carry the change down to resident descendants; record landability flips."""
-        group_id = info.group_id
-        runs, nodes = self._run[group_id], self._node[group_id]
-        children, landable = self._children[group_id], self.landable[group_id]
-        cap = info.max_tail_blocks
-        stack = [(key, run)]
-        while stack:
-            node, value = stack.pop()
-            if runs.get(node) == value:
-                continue
-            runs[node] = value
-            position = nodes[node][0]
-            if (position + 1) * info.block_size % self.alignment_tokens == 0:
-                need = info.need_at(position)
-                if need:
-                    if value >= need and node not in landable:
-                        landable.add(node)
-                        changed.append(node)
-                    elif value < need and node in landable:
-                        landable.discard(node)
-                        changed.append(node)
-            for child in children.get(node, ()):
-                stack.append((child, min(cap, value + 1)))
-
+    # --------------------------------------------------------------- removals
     def _remove(self, group_id: int, block_hash: BlockHash) -> None:
         key = external_hash(block_hash)
         resident = self.resident[group_id]
         copies = resident.get(key, 0)
-        if copies == 0:
-            raise InvariantViolation(f"group {group_id}: removal of a hash never stored")
-        lost: list[int] = []
+        lost: list[int] | None = None
         if copies == 1:
             del resident[key]
-            if key in self._run[group_id]:
-                self._unlink(self.groups[group_id], key, lost)
-        else:
+            landing = self._landing[group_id]
+            if landing is not None:
+                lost = landing.unlink(key)
+        elif copies:
             resident[key] = copies - 1
+        else:
+            raise InvariantViolation(f"group {group_id}: removal of a hash never stored")
         self._events.append(BlockRemoved(block_hashes=[key], medium=self.medium,
-                                         group_idx=group_id, landing_hashes=lost or None))
-
-    def _unlink(self, info: GroupEventInfo, key: int, lost: list[int]) -> None:
-        """The last copy of ``key`` left: its point and those whose tail ran through it
-        (resident descendants within the largest tail) may stop being landable."""
-        group_id = info.group_id
-        del self._run[group_id][key]
-        _, parent = self._node[group_id].pop(key)
-        children = self._children[group_id]
-        if parent is not None:
-            siblings = children.get(parent)
-            if siblings is not None:
-                siblings.discard(key)
-                if not siblings:
-                    del children[parent]
-        landable = self.landable[group_id]
-        if key in landable:
-            landable.discard(key)
-            lost.append(key)
-        for child in list(children.get(key, ())):
-            self._propagate(info, child, 1, lost)
+                                         group_idx=group_id, landing_hashes=lost))
 
     def check_invariants(self) -> None:
         for group_id, resident in enumerate(self.resident):
             if any(copies <= 0 for copies in resident.values()):
                 raise InvariantViolation(f"group {group_id}: a non-positive copy count")
-            runs = self._run[group_id]
-            if not self.landable[group_id] <= runs.keys() <= resident.keys():
-                raise InvariantViolation(f"group {group_id}: landable or run entries of "
-                                         "blocks that are not resident")
-            for key, run in runs.items():
-                parent = self._node[group_id][key][1]
-                expected = 1 if parent not in runs else min(
-                    self.groups[group_id].max_tail_blocks, runs[parent] + 1)
-                if run != expected:
-                    raise InvariantViolation(f"group {group_id}: run {run} != {expected}")
+            landing = self._landing[group_id]
+            if landing is not None:
+                landing.check_invariants(resident)
 
 
 def _event_extra_keys(keys: ExtraKeys | None, start: int, end: int,

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from hybridkv.errors import InvariantViolation
+from hybridkv.events.landing import LandingRuns
 from hybridkv.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
@@ -31,6 +32,8 @@ class ResidentReplica:
         self.landable: dict[int, set[int]] = {}
         self.kinds: dict[int, str] = {}
         """group → ``kv_cache_spec_kind`` as learned from its ``BlockStored`` events."""
+        self._derived: dict[int, LandingRuns] = {}
+        """Groups whose stream announces the capped tail rule: landability rebuilt here."""
 
     def apply_all(self, events: Iterable[KVEvent]) -> None:
         for event in events:
@@ -42,18 +45,23 @@ class ResidentReplica:
         if isinstance(event, AllBlocksCleared):
             self.resident.clear()
             self.landable.clear()
+            self._derived.clear()
             return
         group = -1 if event.group_idx is None else event.group_idx
         resident = self.resident.setdefault(group, {})
-        landable = self.landable.setdefault(group, set())
         if isinstance(event, BlockStored):
             if event.kv_cache_spec_kind is not None:
                 self.kinds[group] = event.kv_cache_spec_kind
+            if event.landing_tail_blocks is not None:
+                self._store_derived(group, resident, event)
+                return
+            landable = self.landable.setdefault(group, set())
             for block_hash in event.block_hashes:
                 resident[block_hash] = resident.get(block_hash, 0) + 1
             landable.update(event.landing_hashes or ())
             return
         assert isinstance(event, BlockRemoved)
+        derived = self._derived.get(group)
         for block_hash in event.block_hashes:
             copies = resident.get(block_hash, 0)
             if copies == 0:
@@ -61,6 +69,29 @@ class ResidentReplica:
                                          "which the stream never stored")
             if copies == 1:
                 del resident[block_hash]
+                if derived is not None and isinstance(block_hash, int):
+                    derived.unlink(block_hash)
             else:
                 resident[block_hash] = copies - 1
-        landable.difference_update(event.landing_hashes or ())
+        if event.landing_hashes:
+            self.landable.setdefault(group, set()).difference_update(event.landing_hashes)
+
+    def _store_derived(self, group: int, resident: dict[int | bytes, int],
+                       event: BlockStored) -> None:
+        derived = self._derived.get(group)
+        if derived is None:
+            assert event.landing_tail_blocks is not None
+            derived = self._derived[group] = LandingRuns(
+                event.block_size, event.landing_alignment_tokens or event.block_size,
+                event.landing_tail_blocks)
+            self.landable[group] = derived.landable
+        parent = event.parent_block_hash
+        first = event.first_block_index or 0
+        added: list[int] = []
+        for offset, block_hash in enumerate(event.block_hashes):
+            copies = resident.get(block_hash, 0)
+            resident[block_hash] = copies + 1
+            if not copies and isinstance(block_hash, int):
+                derived.store(first + offset, block_hash,
+                              parent if isinstance(parent, int) else None, added)
+            parent = block_hash

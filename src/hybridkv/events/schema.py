@@ -80,6 +80,14 @@ class BlockStored(KVCacheEvent):
     lookahead_token_ids: list[list[int]] | None = None
     landing_hashes: list[int] | None = None
     """hybridkv: hit points of this (non-full) group that became landable."""
+    landing_tail_blocks: int | None = None
+    """hybridkv, capped-rule groups: a hit at the end of the group's block ``i`` needs
+    blocks ``[i - t + 1, i]`` resident (fewer near the start); the consumer derives where
+    hits land (``landing.LandingRuns``)."""
+    landing_alignment_tokens: int | None = None
+    """hybridkv, with ``landing_tail_blocks``: hits land only at multiples of this."""
+    first_block_index: int | None = None
+    """hybridkv, with ``landing_tail_blocks``: table position of ``block_hashes[0]``."""
 
 
 class BlockRemoved(KVCacheEvent):

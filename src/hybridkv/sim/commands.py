@@ -35,7 +35,7 @@ from hybridkv.sim.ceiling import infinite_cache_ceiling
 from hybridkv.sim.limits import check_pool_fits
 from hybridkv.sim.loaders import load_trace
 from hybridkv.sim.model import ModelShape, load_model, num_blocks_for_memory, parse_size
-from hybridkv.sim.outputs import StagedOutputs, check_output_path
+from hybridkv.sim.outputs import StagedOutputs, check_output_paths
 from hybridkv.sim.replay import ProgressFn, ReplaySettings, RunResult, attach_bounds, replay
 from hybridkv.sim.report import (
     PolicyRun,
@@ -520,12 +520,13 @@ def source_ceiling(source: Source, alignment_tokens: int) -> float:
 
 
 def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console) -> int:
-    json_path = None if args.json is None else check_output_path("--json", args.json)
-    plot_path = None if args.plot is None else check_output_path("--plot", args.plot, plot=True)
     metrics = None if getattr(args, "metrics", None) is None else \
         parse_metrics_target(args.metrics)
+    outputs = check_output_paths([("--json", args.json), ("--plot", args.plot),
+                                  ("--metrics", metrics if isinstance(metrics, Path) else None)])
+    json_path, plot_path = outputs["--json"], outputs["--plot"]
     if isinstance(metrics, Path):
-        metrics = check_output_path("--metrics", metrics)
+        metrics = outputs["--metrics"]
     source = resolve_source(args)
     shape = load_model(DEFAULT_MODEL if args.model is None else args.model)
     settings = resolve_settings(args, source)

@@ -28,11 +28,11 @@ import contextlib
 import os
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from hybridkv.errors import OutputPathError
+from hybridkv.errors import ConfigError, OutputPathError
 
 _TEMP_PREFIX = ".hybridkv-"
 _TEMP_SUFFIX = ".tmp"
@@ -82,6 +82,37 @@ def check_output_path(flag: str, path: Path | str, *, plot: bool = False) -> Pat
                 else "has no extension", f"end it in one of .{', .'.join(sorted(formats))}")
     _probe_writable(flag, target)
     return target
+
+
+def check_output_paths(named: Sequence[tuple[str, Path | str | None]],
+                       ) -> dict[str, Path | None]:
+    """``check_output_path`` for each ``(flag, path)`` (``None``: not asked for; a flag
+    named ``--plot`` needs a plot extension), and two flags naming one file are refused:
+    the second write would replace the first.
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> paths = check_output_paths([("--json", folder / "r.json"), ("--plot", None)])
+    >>> paths["--json"].name, paths["--plot"]
+    ('r.json', None)
+    >>> check_output_paths([("--json", folder / "r.png"), ("--plot", folder / "r.png")])
+    Traceback (most recent call last):
+    ...
+    hybridkv.errors.ConfigError: --plot=... is invalid: is the same file as --json
+    """
+    checked: dict[str, Path | None] = {}
+    first_flag: dict[Path, str] = {}
+    for flag, value in named:
+        if value is None:
+            checked[flag] = None
+            continue
+        path = check_output_path(flag, value, plot=flag == "--plot")
+        resolved = path.resolve()
+        if resolved in first_flag:
+            raise ConfigError(flag, str(value), f"is the same file as {first_flag[resolved]}")
+        first_flag[resolved] = flag
+        checked[flag] = path
+    return checked
 
 
 def _probe_writable(flag: str, target: Path) -> None:

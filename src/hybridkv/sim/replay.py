@@ -322,14 +322,40 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-class _OutputSampler:
-    """Deterministic "sampling": predetermined outputs, else globally unique ids."""
+class OutputSampler:
+    """Deterministic "sampling": predetermined outputs, else unique ids counted up from
+    ``first_id``.
 
-    def __init__(self, trace: Trace) -> None:
-        self._predetermined = {
-            r.request_id: r.output_token_ids for r in trace.requests if r.output_token_ids
-        }
-        self._next_unique = OUTPUT_TOKEN_BASE
+    The replay registers every request up front (``OutputSampler(trace)``); a cluster
+    instance registers the requests routed to it (``add``) and drops them when they finish
+    (``forget``), drawing from its own id range so two instances never collide.
+
+    >>> from hybridkv.sim.trace import TraceRequest
+    >>> sampler = OutputSampler(first_id=100)
+    >>> sampler.add(TraceRequest("a", 4, 2, output_token_ids=(7, 8)))
+    >>> a = SchedRequest("a", (1, 2, 3, 4), 2)
+    >>> b = SchedRequest("b", (1, 2, 3, 4), 2)
+    >>> sampler.sample(a), sampler.sample(b), sampler.sample(b)
+    (7, 100, 101)
+    >>> sampler.forget("a"); sampler.sample(a)
+    102
+    """
+
+    def __init__(self, trace: Trace | None = None, first_id: int = OUTPUT_TOKEN_BASE) -> None:
+        self._predetermined: dict[str, tuple[int, ...]] = {}
+        self._next_unique = first_id
+        if trace is not None:
+            for request in trace.requests:
+                self.add(request)
+
+    def add(self, request: TraceRequest) -> None:
+        """Register ``request``'s predetermined outputs (if the trace gives any)."""
+        if request.output_token_ids:
+            self._predetermined[request.request_id] = request.output_token_ids
+
+    def forget(self, req_id: str) -> None:
+        """The request finished: drop its predetermined outputs."""
+        self._predetermined.pop(req_id, None)
 
     def sample(self, request: SchedRequest) -> int:
         fixed = self._predetermined.get(request.req_id)
@@ -370,7 +396,7 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
             hash_prompt=prompt_hasher.for_request(request) if config.enable_caching else None)
         sched_requests.append(sched_request)
         scheduler.add_request(sched_request)
-    sampler = _OutputSampler(trace)
+    sampler = OutputSampler(trace)
     num_finished = 0
     num_requests = len(sched_requests)
     while scheduler.has_unfinished:

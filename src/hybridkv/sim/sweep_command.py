@@ -38,7 +38,7 @@ from hybridkv.sim.commands import (
     resolve_source,
 )
 from hybridkv.sim.model import ModelShape, load_model
-from hybridkv.sim.outputs import StagedOutputs, check_output_path
+from hybridkv.sim.outputs import StagedOutputs, check_output_paths
 from hybridkv.sim.report import plot_sweep, render_sweep_cells
 from hybridkv.sim.sweep import (
     ROW_FIELDS,
@@ -77,18 +77,8 @@ class Outputs:
 
 
 def _check_outputs(args: argparse.Namespace) -> Outputs:
-    named: dict[Path, str] = {}
-    checked: dict[str, Path | None] = {}
-    for flag, value in (("--csv", args.csv), ("--json", args.json), ("--plot", args.plot)):
-        if value is None:
-            checked[flag] = None
-            continue
-        path = check_output_path(flag, value, plot=flag == "--plot")
-        resolved = path.resolve()
-        if resolved in named:
-            raise ConfigError(flag, str(value), f"is the same file as {named[resolved]}")
-        named[resolved] = flag
-        checked[flag] = path
+    checked = check_output_paths([("--csv", args.csv), ("--json", args.json),
+                                  ("--plot", args.plot)])
     return Outputs(checked["--csv"], checked["--json"], checked["--plot"])
 
 
