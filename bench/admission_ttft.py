@@ -54,7 +54,13 @@ from hybridkv.config import CacheConfig
 from hybridkv.engine.model import HybridDecoder
 from hybridkv.engine.model_config import ModelConfig, cache_config_for_model
 from hybridkv.engine.paged import PagedKVCache
-from hybridkv.engine.runner import EngineRunner, RunOptions, RunResult
+from hybridkv.engine.runner import (
+    Admissions,
+    EngineRunner,
+    RunOptions,
+    RunResult,
+    scheduler_admissions,
+)
 from hybridkv.sim.admission import parse_admissions
 from hybridkv.sim.loaders import load_trace
 from hybridkv.sim.scheduler import SchedRequest, Scheduler
@@ -62,7 +68,6 @@ from hybridkv.sim.trace import expand_prompt
 
 TRACE_DIRS = ("out/traces/weka_cc_agentic", "../shared/traces/weka_cc_agentic",
               "/work/shared/traces/weka_cc_agentic")
-Admissions = dict[str, tuple[int, int, int]]
 
 
 def find_trace(arg: str | None) -> Path:
@@ -103,9 +108,9 @@ def load_conversations(directory: Path, *, conversations: int, turns: int, max_i
     return requests
 
 
-def scheduler_admissions(cache: CacheConfig, policy: str, admission: str, options: RunOptions,
-                         requests: Sequence[SchedRequest],
-                         outputs: dict[str, list[int]]) -> Admissions:
+def bare_scheduler_admissions(cache: CacheConfig, policy: str, admission: str,
+                               options: RunOptions, requests: Sequence[SchedRequest],
+                               outputs: dict[str, list[int]]) -> Admissions:
     """The same requests through a bare shared ``Scheduler`` (no model), sampling the tokens
     the engine sampled: per request (eligible step, admitted step, first hit tokens)."""
     scheduler = Scheduler(KVCacheManager(cache, policy), max_running=options.max_running,
@@ -113,22 +118,7 @@ def scheduler_admissions(cache: CacheConfig, policy: str, admission: str, option
     for r in requests:
         scheduler.add_request(SchedRequest(r.req_id, list(r.prompt_token_ids),
                                            r.max_output_tokens, r.session_id))
-    position = dict.fromkeys(outputs, 0)
-    while scheduler.has_unfinished:
-        plan = scheduler.schedule()
-        sampled = {}
-        for chunk in plan.chunks:
-            if chunk.samples:
-                sampled[chunk.req_id] = outputs[chunk.req_id][position[chunk.req_id]]
-                position[chunk.req_id] += 1
-        scheduler.update(plan, sampled)
-    return {r.req_id: (r.eligible_step or 0, r.admitted_step or 0, r.first_hit_tokens or 0)
-            for r in scheduler.requests.values()}
-
-
-def engine_admissions(result: RunResult) -> Admissions:
-    return {rid: (r.eligible_step or 0, r.admitted_step or 0, r.hit_tokens[0])
-            for rid, r in result.records.items()}
+    return scheduler_admissions(scheduler, dict(outputs))
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -181,7 +171,7 @@ def run_matrix(args: argparse.Namespace, model: HybridDecoder, cache: CacheConfi
                                       kv_cache=kv_cache).run(requests)
                 row = summarise(result)
                 outputs = {rid: r.output_token_ids for rid, r in result.records.items()}
-                same = engine_admissions(result) == scheduler_admissions(
+                same = result.admissions() == bare_scheduler_admissions(
                     cache, policy, order, options, requests, outputs)
                 row |= {"policy": policy, "order": order, "repeat": repeat,
                         "admissions_match_scheduler": same}

@@ -17,7 +17,13 @@ from hybridkv import KVCacheManager
 from hybridkv.config import CacheConfig
 from hybridkv.engine.model import HybridDecoder
 from hybridkv.engine.model_config import ModelConfig, cache_config_for_model, gemma3_pattern
-from hybridkv.engine.runner import EngineRunner, RunOptions, RunResult
+from hybridkv.engine.runner import (
+    Admissions,
+    EngineRunner,
+    RunOptions,
+    RunResult,
+    scheduler_admissions,
+)
 from hybridkv.sim.scheduler import SchedRequest, Scheduler
 
 torch = pytest.importorskip("torch")
@@ -58,36 +64,21 @@ def _engine(admission: str, num_blocks: int = 40) -> tuple[RunResult, CacheConfi
 
 
 def _scheduler_only(cache: CacheConfig, admission: str,
-                    outputs: dict[str, Sequence[int]]) -> dict[str, tuple[int, int, int]]:
+                    outputs: dict[str, Sequence[int]]) -> Admissions:
     """The same requests through a bare ``Scheduler`` (no model), sampling the tokens the
-    engine sampled: per request (eligible step, admitted step, first hit tokens)."""
-    manager = KVCacheManager(cache, "latest")
-    scheduler = Scheduler(manager, max_running=2, chunk_size=32, admission=admission)
+    engine sampled."""
+    scheduler = Scheduler(KVCacheManager(cache, "latest"), max_running=2, chunk_size=32,
+                          admission=admission)
     for request in _conversations():
         scheduler.add_request(request)
-    sampled_so_far = dict.fromkeys(outputs, 0)
-    while scheduler.has_unfinished:
-        plan = scheduler.schedule()
-        sampled = {}
-        for chunk in plan.chunks:
-            if chunk.samples:
-                sampled[chunk.req_id] = outputs[chunk.req_id][sampled_so_far[chunk.req_id]]
-                sampled_so_far[chunk.req_id] += 1
-        scheduler.update(plan, sampled)
-    return {r.req_id: (r.eligible_step or 0, r.admitted_step or 0, r.first_hit_tokens or 0)
-            for r in scheduler.requests.values()}
-
-
-def _admissions(result: RunResult) -> dict[str, tuple[int, int, int]]:
-    return {rid: (r.eligible_step or 0, r.admitted_step or 0, r.hit_tokens[0])
-            for rid, r in result.records.items()}
+    return scheduler_admissions(scheduler, outputs)
 
 
 @pytest.mark.parametrize("admission", ["fcfs", "hit", "warm", "session"])
 def test_engine_admits_as_the_shared_scheduler(admission: str) -> None:
     result, cache = _engine(admission)
     outputs = {rid: r.output_token_ids for rid, r in result.records.items()}
-    assert _admissions(result) == _scheduler_only(cache, admission, outputs)
+    assert result.admissions() == _scheduler_only(cache, admission, outputs)
 
 
 def test_a_cache_aware_order_changes_the_engine_admissions() -> None:

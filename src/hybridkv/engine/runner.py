@@ -127,6 +127,38 @@ class RunResult:
         return sum(1 for r in self.records.values() for p in r.prefill_plans
                    if p.window_floor_tokens > 0)
 
+    def admissions(self) -> Admissions:
+        """Per request: (eligible step, first admitted step, hit tokens at that admission),
+        the shape ``scheduler_admissions`` gives for a bare scheduler."""
+        return {rid: (r.eligible_step or 0, r.admitted_step or 0, r.hit_tokens[0])
+                for rid, r in self.records.items()}
+
+
+Admissions = dict[str, tuple[int, int, int]]
+"""Request id → (eligible step, first admitted step, hit tokens at that admission)."""
+
+
+def scheduler_admissions(scheduler: Scheduler,
+                         outputs: dict[str, Sequence[int]]) -> Admissions:
+    """Drive a bare shared ``Scheduler`` (requests already added, no model) to the end,
+    sampling for each request the tokens ``outputs`` lists (what an engine run sampled);
+    returns each request's admission, to compare with ``RunResult.admissions()``: an engine
+    that admits through the shared admission order gives the same dictionary.
+
+    Example: two requests whose engine run sampled ``{"a": [5], "b": [7]}`` give e.g.
+    ``{"a": (0, 0, 0), "b": (0, 0, 0)}`` under fcfs with two running slots."""
+    position = dict.fromkeys(outputs, 0)
+    while scheduler.has_unfinished:
+        plan = scheduler.schedule()
+        sampled = {}
+        for chunk in plan.chunks:
+            if chunk.samples:
+                sampled[chunk.req_id] = outputs[chunk.req_id][position[chunk.req_id]]
+                position[chunk.req_id] += 1
+        scheduler.update(plan, sampled)
+    return {r.req_id: (r.eligible_step or 0, r.admitted_step or 0, r.first_hit_tokens or 0)
+            for r in scheduler.requests.values()}
+
 
 @dataclass(slots=True)
 class _Work:
