@@ -282,29 +282,12 @@ class BranchMachine(base.ManagerMachine):
         self.prompt_len[req_id] = len(tokens)
         event("branching request")
 
-    @rule(pick=st.integers(0, 10**6), cut=st.integers(0, base.MAX_PROMPT), go=st.integers(0, 2))
-    def evict_prefix(self, pick: int, cut: int, go: int) -> None:
+    def cached_copies_of(self, tokens: list[int]) -> set[int]:
         """Every cached copy of the prefix's hashes at every unit, in every group (block
-        hashes and sub-block snapshots alike), loses its hash; nothing else changes."""
-        if go:
-            return
-        tokens = self.some_prefix(pick, cut)
-        pool = self.manager.pool
+        hashes and sub-block snapshots alike): what ``evict_prefix`` must drop."""
         hashes = self.hasher.hash_blocks(tokens)
-        doomed = {b.block_id for g in range(len(self.specs)) for h in hashes
-                  for b in pool.cached_copies(BlockHash(h), GroupId(g))}
-        hashed_before = {b.block_id for b in pool.blocks if b.block_hash is not None}
-        dropped = self.manager.evict_prefix(tokens)
-        assert dropped == len(doomed)
-        assert {b.block_id for b in pool.blocks if b.block_hash is not None} == \
-            hashed_before - doomed
-        if dropped:
-            self.num_drops += 1
-            self.dropped |= doomed
-
-
-TestBranchMachine = BranchMachine.TestCase
-TestBranchMachine.settings = settings(stateful_step_count=200, max_examples=60)
+        return {b.block_id for g in range(len(self.specs)) for h in hashes
+                for b in self.manager.pool.cached_copies(BlockHash(h), GroupId(g))}
 
 
 class EagleBranchMachine(BranchMachine):

@@ -429,6 +429,14 @@ class ManagerMachine(RuleBasedStateMachine):
         sequences = list(self.sequences.values())
         return sequences[pick % len(sequences)][:cut] if sequences else []
 
+    def cached_copies_of(self, tokens: list[int]) -> set[int]:
+        """Ids of every cached copy of ``tokens``' block hashes, in every group."""
+        hashes = self.hasher.hash_blocks(tokens)
+        hb = self.hasher.block_size
+        views = [coarse_hashes(hashes, spec.block_size // hb) for spec in self.specs]
+        return {b.block_id for g, view in enumerate(views) for h in view
+                for b in self.manager.pool.cached_copies(BlockHash(h), GroupId(g))}
+
     @rule(pick=st.integers(0, 10**6), cut=st.integers(0, MAX_PROMPT), go=st.integers(0, 2))
     def evict_prefix(self, pick: int, cut: int, go: int) -> None:
         """Drop one known prefix's blocks: exactly every cached copy of its block hashes,
@@ -437,11 +445,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return  # a third of the draws: hits need caches to survive
         tokens = self.some_prefix(pick, cut)
         pool = self.manager.pool
-        hashes = self.hasher.hash_blocks(tokens)
-        hb = self.hasher.block_size
-        views = [coarse_hashes(hashes, spec.block_size // hb) for spec in self.specs]
-        doomed = {b.block_id for g, view in enumerate(views) for h in view
-                  for b in pool.cached_copies(BlockHash(h), GroupId(g))}
+        doomed = self.cached_copies_of(tokens)
         hashed_before = {b.block_id for b in pool.blocks if b.block_hash is not None}
         dropped = self.manager.evict_prefix(tokens)
         assert dropped == len(doomed)
