@@ -84,8 +84,10 @@ def test_load_weight_keeps_a_prefix_router_balancing() -> None:
     instance = Instance(1, trace, config, "latest", InstanceSettings(), events=True)
     events = instance.advance([1], 5).events
     request = _route_request(trace, 2)
-    router = make_prefix_router(2, config, trace, residency=True, load_weight=1.0)
-    greedy = make_prefix_router(2, config, trace, residency=True, load_weight=0.0)
+    router = make_prefix_router(2, config, trace, residency=True, load_weight=1.0,
+                                self_paying=False)
+    greedy = make_prefix_router(2, config, trace, residency=True, load_weight=0.0,
+                                self_paying=False)
     for each in (router, greedy):
         each.observe(1, events)
     assert router.route(request, [Load(0, 0), Load(31, 1)]) == Route(1, 16)
@@ -153,10 +155,10 @@ def _locality_trace() -> Trace:
 
 
 def _run_prefix(trace: Trace, config: CacheConfig, *, residency: bool,
-                locality: bool = True) -> ClusterRun:
+                locality: bool = True, self_paying: bool = False) -> ClusterRun:
     settings = _settings()
     router = make_prefix_router(2, config, trace, residency=residency, load_weight=1.0,
-                                locality=locality)
+                                locality=locality, self_paying=self_paying)
     return run_cluster(trace, router, serial_backend(trace, config, "latest", settings,
                                                      events=True), settings)
 
@@ -186,3 +188,38 @@ def test_an_exact_hit_breaks_a_chain_tie() -> None:
     fa = _run_prefix(trace, config, residency=False)
     assert kept.routed_by_instance == [1, 2] and kept.hit_tokens == 16
     assert fa.routed_by_instance == [2, 1] and fa.hit_tokens == 0
+
+
+def test_self_paying_rule_caps_the_backlog_a_request_joins() -> None:
+    """Instance 1 holds r2's 16-token chain with a landable point at 16 (exact hit 16).
+    The self-paying rule lets r2 queue behind at most 16 more tokens than on the least
+    loaded instance: 15 extra → instance 1, 17 extra → instance 0. Without the rule the
+    score (16 + 16 - 17 = 15 > 0) still sends it to instance 1 at 17."""
+    trace, config = _tail_trace(), _tiny()
+    instance = Instance(1, trace, config, "latest", InstanceSettings(), events=True)
+    events = instance.advance([1], 5).events
+    request = _route_request(trace, 2)
+    capped = make_prefix_router(2, config, trace, residency=True, load_weight=1.0)
+    free = make_prefix_router(2, config, trace, residency=True, load_weight=1.0,
+                              self_paying=False)
+    for each in (capped, free):
+        each.observe(1, events)
+    assert capped.route(request, [Load(0, 0), Load(15, 1)]) == Route(1, 16)
+    assert capped.route(request, [Load(0, 0), Load(17, 1)]) == Route(0, 0)
+    assert free.route(request, [Load(0, 0), Load(17, 1)]) == Route(1, 16)
+    # the rule is measured from the least-loaded instance, not from zero
+    assert capped.route(request, [Load(100, 1), Load(117, 1)]) == Route(0, 0)
+    assert capped.route(request, [Load(100, 1), Load(116, 1)]) == Route(1, 16)
+
+
+def test_self_paying_rule_keeps_a_landable_hit_and_drops_an_unpaid_chain() -> None:
+    """The same two cluster replays as above with the rule on. r2's exact hit on instance
+    1 pays for its (empty) extra queue: kept, 16 tokens hit. In the locality trace r1's
+    chain on instance 0 has no landable point (exact 0) and instance 0 has z queued: the
+    rule sends r1 to the idle instance (the price of the rule: r2 hits nothing)."""
+    config = _tiny()
+    kept = _run_prefix(_tail_trace(), config, residency=True, self_paying=True)
+    assert kept.routed_by_instance == [1, 2] and kept.hit_tokens == 16
+    capped = _run_prefix(_locality_trace(), config, residency=True, self_paying=True)
+    assert capped.routed_by_instance == [3, 1] and capped.hit_tokens == 0
+    assert capped.phantom_hit_tokens == 0

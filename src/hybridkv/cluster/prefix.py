@@ -37,7 +37,20 @@ queue (``--load-weight 0`` routes on the value alone). The value:
   junction. Worked example (one instance holds a 24-token chain without a landable point,
   the other nothing, backlogs 9 and 0): ``0 + 24 - 9 = 15 > 0``, so the request joins the
   chain; with ``h`` alone it went to the idle instance (``tests/unit/test_cluster_prefix.py``).
-  Among equal chains the exact hit decides, where the full-attention index guesses.
+  Among equal scores the larger exact hit wins (then the lighter load), where the
+  full-attention index guesses.
+
+**Balance: the self-paying rule** (``prefix-residency`` only; ``self_paying_instances``).
+Before scoring, the candidates are cut to the instances whose backlog exceeds that of
+the instance with the least work left after this request (smallest ``queued - exact``)
+by at most their own exact landable hit: ``queued_i - queued_low <= exact_i``. A request
+joins a longer queue only when the prefill it skips there is at least the extra prefill
+it waits behind — the balance cost is paid in the same unit by a saving that is certain
+(the residency index is exact wherever eviction during the queue cannot strike); the
+locality term ``c`` only ranks instances the rule allows, so it never buys balance with
+a hit that may not come. The full-attention-only index cannot apply the rule: its
+"exact" hit is the chain, phantom where the tail is gone. Worked example: backlogs 0,
+500, 900 and exact hits 0, 600, 0 allow instances 0 and 1 (500 <= 600), not 2.
 
 The router never reads an instance's manager: everything above comes from the events and
 the load reports (a test feeds a router a stream and checks it against the manager).
@@ -95,9 +108,11 @@ class PrefixRouter(Router):
     uses_events = True
 
     def __init__(self, num_instances: int, trace: Trace, hasher: BlockHasher, *,
-                 residency: bool, load_weight: float = 1.0, locality: bool = True) -> None:
+                 residency: bool, load_weight: float = 1.0, locality: bool = True,
+                 self_paying: bool = True) -> None:
         super().__init__(num_instances)
         self.locality = locality
+        self.self_paying = self_paying and residency
         self.name = "prefix-residency" if residency else "prefix-fa"
         self.residency = residency
         self.load_weight = load_weight
@@ -131,16 +146,20 @@ class PrefixRouter(Router):
         external = [external_hash(h) for h in self.prompt_hashes(request.trace_index)]
         n = self.num_instances
         chains = [self.chain(i, external, request.prompt_tokens) for i in range(n)]
+        queued = [load.queued_tokens for load in loads]
+        candidates: Sequence[int] = range(n)
         if self.residency:
             exact = [self._landable(self.replicas[i], external, chains[i]) if chains[i] else 0
                      for i in range(n)]
             value = [exact[i] + chains[i] for i in range(n)] if self.locality else exact
+            if self.self_paying:
+                candidates = self_paying_instances(queued, exact)
         else:
             exact = value = chains
         weight = self.load_weight
-        best = min(range(n), key=lambda i: (
-            -(value[i] - weight * loads[i].queued_tokens), loads[i].queued_tokens,
-            loads[i].num_requests, i))
+        best = min(candidates, key=lambda i: (
+            -(value[i] - weight * queued[i]), -exact[i] if self.residency else 0,
+            queued[i], loads[i].num_requests, i))
         return Route(best, exact[best])
 
     def chain(self, instance: int, external: Sequence[int], prompt_tokens: int) -> int:
@@ -204,13 +223,38 @@ def _chain_tokens(resident: dict[int | bytes, int], external: Sequence[int], rat
     return count * ratio * hb
 
 
+def self_paying_instances(queued_tokens: Sequence[int],
+                          exact_hit_tokens: Sequence[int]) -> list[int]:
+    """The instances a request may be sent to under the self-paying balance rule.
+
+    ``low`` is the instance where the request's prefill would leave the least work queued
+    (smallest ``queued - exact hit``; ties: lowest index). Another instance ``i`` is
+    allowed only if the extra backlog it queues behind is paid for by its own exact
+    landable hit there: ``queued_i - queued_low <= exact_i``. A resident chain without a
+    landable point pays nothing: locality then ranks only among equally loaded
+    instances. Only a residency index can apply the rule: a full-attention-only index
+    would pay with hits that may not exist (phantom tokens).
+
+    >>> self_paying_instances([0, 500, 900], [0, 600, 0])   # 500 queued, paid by a 600-token hit
+    [0, 1]
+    >>> self_paying_instances([0, 500, 900], [0, 400, 0])   # 400 does not pay for 500
+    [0]
+    """
+    n = len(queued_tokens)
+    low = min(range(n), key=lambda i: (queued_tokens[i] - exact_hit_tokens[i], i))
+    return [i for i in range(n)
+            if queued_tokens[i] - queued_tokens[low] <= exact_hit_tokens[i]]
+
+
 def make_prefix_router(num_instances: int, config: CacheConfig, trace: Trace, *,
                        residency: bool, load_weight: float,
-                       locality: bool = True) -> PrefixRouter:
+                       locality: bool = True, self_paying: bool = True) -> PrefixRouter:
     hasher = BlockHasher(config.hash_block_size, config.hash_algo,
                          config.hash_lookahead_tokens)
     return PrefixRouter(num_instances, trace, hasher, residency=residency,
-                        load_weight=load_weight, locality=locality)
+                        load_weight=load_weight, locality=locality,
+                        self_paying=self_paying)
 
 
-__all__ = ["FULL_KINDS", "GroupLayout", "PrefixRouter", "make_prefix_router"]
+__all__ = ["FULL_KINDS", "GroupLayout", "PrefixRouter", "make_prefix_router",
+           "self_paying_instances"]
