@@ -39,7 +39,7 @@ def _block_trace(seed: int = 0, num_sessions: int = 4, num_turns: int = 5) -> Tr
     (sometimes cut short: a diverging prefix) plus new ones."""
     rng = random.Random(seed)
     requests: list[TraceRequest] = []
-    history = {s: [] for s in range(num_sessions)}
+    history: dict[int, list[int]] = {s: [] for s in range(num_sessions)}
     next_id = 1
     for turn in range(num_turns):
         for s in range(num_sessions):
