@@ -2,9 +2,13 @@
 each cell's identity (its key) and its computation.
 
 A cell is one replay: one source (trace or workload) on one model with one pool size,
-one policy and one admission order. ``compute_cell`` replays it and returns its row
-(hit rate, ``bound``, ``bound_fa``, ``ceiling``, miss causes, timings); it is a plain
-top-level function of picklable values, so a forked ``--jobs`` worker and a Ray task run
+one policy and one admission order. ``replay_cell`` replays it and returns its results
+with their admission logs' ``BoundKeys``; ``cell_bounds`` computes the bounds of one
+distinct log (cells whose policies logged the same admissions share that task:
+``hybridkv.sim.bound_share``); ``cell_row`` then gives the row (hit rate, ``bound``,
+``bound_fa``, ``ceiling``, miss causes, timings). ``compute_cell`` does all three in one
+process (the serial sweep; its bounds are memoized per process). They are plain
+top-level functions of picklable values, so a forked ``--jobs`` worker and a Ray task run
 the same code (``hybridkv.sim.sweep_exec``, ``hybridkv.sim.sweep_ray``).
 
 The cell key (``cell_key``) names everything the row depends on, so that a stored row is
