@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import math
 
-import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_scheduler_property import sampled_token, workloads
 
-from hybridkv import CacheConfig, KVCacheManager, LayerSpec
+from hybridkv import (
+    CacheConfig,
+    ChunkedLocalSpec,
+    FullAttentionSpec,
+    KVCacheManager,
+    LayerSpec,
+    SlidingWindowSpec,
+)
 from hybridkv.sim.admission import ORDERS, FirstComeOrder
 from hybridkv.sim.scheduler import SchedRequest, Scheduler, StepPlan
 
@@ -124,9 +130,32 @@ def test_every_order_finishes_and_keeps_its_guard(
             assert request.num_overtaken == request.overtaken_tokens == 0
 
 
-@pytest.mark.skip(reason="watchers are off (RankedOrder._watching): this test found a "
-                  "plan difference with a window block larger than full attention's")
+def _pinned(layers: tuple[LayerSpec, ...], *prompts: tuple[list[int], int, int],
+            ) -> tuple[tuple[LayerSpec, ...], list[SchedRequest]]:
+    """A workload of (prompt, output tokens, phase) requests q0, q1, …"""
+    return layers, [SchedRequest(f"q{i}", prompt, out, None, phase)
+                    for i, (prompt, out, phase) in enumerate(prompts)]
+
+
 @settings(max_examples=150)
+# a window group with blocks larger than full attention's: the full-attention block past
+# the hit was already indexed at the probe (the hit stops at the window's block), so no
+# later indexing of it marks the candidate; it is checked one by one
+@example(workload=_pinned((FullAttentionSpec(2, 1), SlidingWindowSpec(4, 1, 1)),
+                          ([0] * 4, 1, 1), ([0], 1, 0), ([0], 1, 1), ([0] * 5, 1, 1),
+                          ([0, 0, 1], 2, 0), ([0], 1, 0)),
+         admission="hit", slack=0, max_running=1, chunk_size=1, lookahead_requests=3)
+# no full attention: the growth check always holds (no probes to watch)
+@example(workload=_pinned((SlidingWindowSpec(2, 1, 1), ChunkedLocalSpec(2, 1, 4)),
+                          ([0, 0], 1, 0), ([0], 1, 0), ([0, 0, 0], 1, 0)),
+         admission="hit", slack=0, max_running=1, chunk_size=1, lookahead_requests=3)
+# a watched hash indexed, then evicted before the ranking that lists the candidate: the
+# mark alone would probe again where the check one by one finds nothing
+@example(workload=_pinned((FullAttentionSpec(4, 1), SlidingWindowSpec(2, 1, 2)),
+                          ([0] * 9, 1, 0), ([0], 1, 0), ([0] * 5, 1, 0), ([0], 1, 0),
+                          ([0], 1, 0), ([0], 1, 0), ([0] * 6, 1, 0), ([0], 1, 0),
+                          ([0], 1, 0), ([0], 1, 1), ([0] * 5, 1, 0), ([0], 1, 0)),
+         admission="hit", slack=0, max_running=1, chunk_size=1, lookahead_requests=7)
 @given(workload=workloads(), admission=st.sampled_from(["hit", "warm"]),
        slack=st.integers(0, 2), max_running=st.integers(1, 6),
        chunk_size=st.integers(1, 48), lookahead_requests=st.integers(1, 8))

@@ -156,13 +156,18 @@ class RankedOrder(AdmissionOrder):
         enters an index marks its watchers, so a ranking touches only those."""
         self._grown: tuple[set[str], set[str]] = (set(), set())
         """Candidates a watched hash entered an index for since their probe: through full
-        attention (any longer hit possible) / only inside the match (window tails)."""
+        attention (any longer hit possible) / only inside the match (window tails). A
+        mark is a hint, not a verdict: the one-by-one check decides (the hash may have
+        been evicted again)."""
+        self._held: set[str] = set()
+        """Candidates whose growth check already held at their probe (``growth_probes``
+        ``None``: no full attention; or a probed hash was indexed then — a window group
+        with blocks larger than full attention's can hold the block past a match it
+        cannot extend yet). The watchers see only hashes indexed *after* a probe, so
+        these get the check one by one whenever something was indexed since."""
         self._marks: list[int] | None = None
-        self._watching = False
-        """Whether the probe lists new hashes; else every stale candidate is scanned.
-        Off: the property test comparing the watchers' plans with the one-by-one check
-        found a difference (a window group with blocks larger than full attention's);
-        until that is fixed the one-by-one check decides."""
+        self._watching = True
+        """Whether the probe lists new hashes; else every stale candidate is scanned."""
         self._scores: dict[str, float] = {}
         """Request id → ``score`` of its cached hit (a function of the hit alone)."""
         self._ceilings: dict[str, float] = {}
@@ -199,12 +204,15 @@ class RankedOrder(AdmissionOrder):
             self._unwatch(req_id)
             if probes is None:
                 self._growth[req_id] = None
+                self._held.add(req_id)
             else:  # full attention's probes come first: those of a lookup at the match
                 full = probes if matched <= hit.num_tokens else \
                     growth_probes(request, matched, matched) or ()
                 growth = (probes[:len(full)], probes[len(full):], matched)
                 self._growth[req_id] = growth
-                if self._watching:
+                if any(block_hash in index for index, block_hash in probes):
+                    self._held.add(req_id)  # checked one by one: not watched
+                elif self._watching:
                     for watchers, part in zip(self._watchers, growth[:2], strict=True):
                         for _, block_hash in part:
                             watching = watchers.get(block_hash)
@@ -216,6 +224,7 @@ class RankedOrder(AdmissionOrder):
 
     def _unwatch(self, req_id: str) -> None:
         growth = self._growth.get(req_id)
+        self._held.discard(req_id)
         if not self._watching:
             return
         for grown in self._grown:
@@ -230,9 +239,12 @@ class RankedOrder(AdmissionOrder):
                     if not watching:
                         del watchers[block_hash]
 
-    def _note_new_hashes(self, probe: Probe) -> bool:
+    def _note_new_hashes(self, probe: Probe, indexed: int) -> bool:
         """Mark the watchers of hashes indexed since the last ranking; False when the
-        probe cannot list them (then stale candidates are checked one by one)."""
+        probe cannot list them (then stale candidates are checked one by one). When it
+        cannot list them this time (a first call, an index shrunk other than by
+        eviction), every cached candidate with something indexed since its last check
+        is marked: no hash indexed meanwhile is missed."""
         if not self._watching:
             return False
         new_hashes = getattr(probe, "new_hashes", None)
@@ -245,7 +257,9 @@ class RankedOrder(AdmissionOrder):
             return False
         self._marks, hashes = new_hashes(self._marks)
         if hashes is None:
-            return False
+            checked = self._checked
+            self._grown[0].update(r for r in self._cached if checked.get(r) != indexed)
+            return True
         for watchers, grown, part in zip(self._watchers, self._grown, hashes, strict=True):
             for block_hash in part:
                 watching = watchers.get(block_hash)
@@ -295,10 +309,11 @@ class RankedOrder(AdmissionOrder):
             return ranked
         cached, scores_of, checked = self._cached, self._scores, self._checked
         live, score = self.live_scores, self.score
-        listed = self._note_new_hashes(probe)
+        indexed = version[1]
+        listed = self._note_new_hashes(probe, indexed)
+        held = self._held
         scores: list[float] = []
         stale: list[int] = []
-        indexed = version[1]
         for index, request in enumerate(candidates):
             req_id = request.req_id
             entry = cached.get(req_id)
@@ -306,15 +321,17 @@ class RankedOrder(AdmissionOrder):
                 self._probe(request, probe, version)
                 scores.append(scores_of[req_id])
                 continue
-            if not listed and checked.get(req_id, entry[0][1]) != indexed:
+            if (not listed or req_id in held) and \
+                    checked.get(req_id, entry[0][1]) != indexed:
                 stale.append(index)
             hit = entry[1]
             scores.append(score(request, hit) if live and hit.num_tokens
                           else scores_of[req_id])
+        best = max(scores)  # before any growth probe, as the check one by one has it
         if listed:
-            self._regrow_marked(candidates, probe, version, scores)
-        elif stale:
-            self._regrow_stale(candidates, probe, version, scores, stale)
+            self._regrow_marked(candidates, probe, version, scores, best)
+        if stale:
+            self._regrow_stale(candidates, probe, version, scores, stale, best)
         ranked = [(-s, i) for i, s in enumerate(scores)]
         heapq.heapify(ranked)
         return ranked
@@ -326,35 +343,46 @@ class RankedOrder(AdmissionOrder):
         return ceiling
 
     def _regrow_marked(self, candidates: Sequence[SchedRequest], probe: Probe,
-                       version: tuple[int, int], scores: list[float]) -> None:
-        """Probe again the marked candidates whose grown hit could beat the best score
-        (``scores`` updated in place); the others stay marked for the next ranking."""
+                       version: tuple[int, int], scores: list[float], best: float,
+                       ) -> None:
+        """The check one by one for the marked candidates (a watched hash entered an
+        index since their probe): probe again those whose hit may have grown above
+        ``best`` (``scores`` updated in place). Undecided ones stay marked for the next
+        ranking; a check that finds nothing (the hash was evicted again) unmarks.
+
+        Same decisions as checking every candidate with something indexed since its last
+        check (``_regrow_stale``): a growth check that did not hold at the probe holds
+        now only if one of its hashes was indexed after the probe, which marks it (held
+        ones are in ``_held``, checked one by one)."""
         full_grown, window_grown = self._grown
         if not (full_grown or window_grown):
             return
-        best = max(scores)
         position = {r.req_id: i for i, r in enumerate(candidates)}
+        checked, indexed, held = self._checked, version[1], self._held
         for req_id in [*full_grown, *window_grown]:
             index = position.get(req_id, -1)
-            if index < 0 or req_id not in self._cached:
+            if index < 0 or req_id in held or req_id not in self._cached:
                 continue
             request = candidates[index]
-            growth = self._growth.get(req_id)
-            if req_id in full_grown or growth is None:
-                ceiling = self._ceiling_of(request)
-            else:  # only window tails inside the match: a hit up to the match
-                ceiling = self.potential(request, growth[2])
-            if ceiling <= best:
+            if self._ceiling_of(request) <= best:
                 continue  # stays marked: looked at again at the next ranking
-            self._probe(request, probe, version)  # clears its marks
-            scores[index] = self._scores[req_id]
+            grows = self._may_grow(request, self._cached[req_id][1], probe, best)
+            if grows is None:
+                continue  # stays marked
+            checked[req_id] = indexed
+            if grows:
+                self._probe(request, probe, version)  # clears its marks
+                scores[index] = self._scores[req_id]
+            else:
+                full_grown.discard(req_id)
+                window_grown.discard(req_id)
 
     def _regrow_stale(self, candidates: Sequence[SchedRequest], probe: Probe,
                       version: tuple[int, int], scores: list[float], stale: list[int],
-                      ) -> None:
-        """The check one by one (a probe without ``new_hashes``): probe again the stale
-        candidates whose hit may have grown above the best score."""
-        best = max(scores)
+                      best: float) -> None:
+        """The check one by one (a probe without ``new_hashes``, or a candidate whose
+        growth check held at its probe): probe again the stale candidates whose hit may
+        have grown above ``best``."""
         checked, indexed = self._checked, version[1]
         for index in stale:
             request = candidates[index]
