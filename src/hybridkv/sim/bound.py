@@ -404,6 +404,8 @@ class _Op:
     pin: int
     update_from: int = 0
     uses: array[int] = field(default_factory=lambda: _EMPTY)
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
+    """``_runs_all(uses)``, computed once for every cache walking the op."""
 
 
 def _unit_ops(trace: Trace, log: AdmissionLog, unit_tokens: int) -> list[_Op]:
@@ -475,18 +477,28 @@ def _attach_next_reads(ops: Sequence[_Op]) -> None:
         else:
             op.uses = array("q", map(get, op.keys[op.update_from : op.hi], repeat(_NEVER)))
             last_seen.update(dict.fromkeys(keys, op.event))
+        op.runs = _runs_all(op.uses)
 
 
-def _runs_all(uses: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+def _runs_all(uses: array[int]) -> list[tuple[int, int, int]]:
     """Like ``_runs`` but keeping never-used runs. E.g. ``[5, NEVER]`` → ``(0, 1, 5),
-    (1, 2, NEVER)``."""
-    start = 0
+    (1, 2, NEVER)``. One C-level count when every use is equal (most occurrences: a
+    prompt's units all reread by the next turn, or all re-inserted by its own chunks).
+
+    >>> _runs_all(array("q", [5, 5, 7])), _runs_all(array("q", [3, 3]))
+    ([(0, 2, 5), (2, 3, 7)], [(0, 2, 3)])
+    """
     n = len(uses)
     if n == 0:
-        return
+        return []
+    if uses.count(uses[0]) == n:
+        return [(0, n, uses[0])]
+    runs = []
+    start = 0
     for depth in [d for d in range(1, n) if uses[d] != uses[d - 1]] + [n]:
-        yield start, depth, uses[start]
+        runs.append((start, depth, uses[start]))
         start = depth
+    return runs
 
 
 def unit_optimum(trace: Trace, log: AdmissionLog, capacity_units: Sequence[int],
@@ -562,16 +574,22 @@ class _UnitCache:
         heapq.heappush(self.heap, (-use, 1 - end, self.next_run))
         self.next_run += 1
 
-    def _drop_never(self, keys: array[int], depths: Sequence[int], e: int) -> None:
-        """Units (cached) whose next use is never: gone now unless some admission holds
-        them; the held ones stay, each its own run (in depth order). The deletes go in one
-        C-level pass (e.g. a prompt read whose units its own later chunks re-insert: all
-        of them, ~6,000 per WEKA prompt)."""
+    def _drop_never(self, keys: array[int], start: int, end: int,
+                    present: Sequence[int] | None, e: int) -> None:
+        """Units ``keys[start:end]`` (only the ``present`` ones when given: the cached
+        ones) whose next use is never: gone now unless some admission holds them; the held
+        ones stay, each its own run (in depth order). The deletes go in one C-level pass
+        (e.g. a prompt read whose units its own later chunks re-insert: ~6,000 per WEKA
+        prompt)."""
         cached, pinned = self.cached, self.pinned
-        ks = list(map(keys.__getitem__, depths))
+        ks: Sequence[int] = keys[start:end]
+        if present is not None:
+            ks = list(compress(ks, present))
         if pinned:
             untils = list(map(pinned.get, ks, repeat(-1)))
             if untils and max(untils) >= e:
+                depths = range(start, end) if present is None else \
+                    list(compress(range(start, end), present))
                 for depth, key, until in zip(depths, ks, untils, strict=True):
                     if until >= e:
                         cached[key] = _NEVER
@@ -586,14 +604,13 @@ class _UnitCache:
         keys, lo, first = op.keys, op.lo, op.update_from
         present = list(map(cached.__contains__, keys[lo : op.hi]))
         self.hit_units += sum(present)
-        uses = op.uses  # of depths first.. (hits no insert of this event follows)
-        for start, end, use in _runs_all(uses):
-            depths = compress(range(first + start, first + end),
-                              present[first + start - lo : first + end - lo])
+        # op.runs: of the uses of depths first.. (hits no insert of this event follows)
+        for start, end, use in op.runs:
+            flags = present[first + start - lo : first + end - lo]
             if use == _NEVER:
-                self._drop_never(keys, list(depths), e)
+                self._drop_never(keys, first + start, first + end, flags, e)
                 continue
-            for depth in depths:
+            for depth in compress(range(first + start, first + end), flags):
                 cached[keys[depth]] = use
                 self.push(keys, depth, depth + 1, use)
 
@@ -608,17 +625,14 @@ class _UnitCache:
                 pinned.update((k, max(old, pin)) for k, old in zip(ks, olds, strict=True))
             else:
                 pinned.update(dict.fromkeys(ks, pin))
-            for start, end, use in _runs_all(uses):
+            for start, end, use in op.runs:
                 self.push(keys, lo + start, lo + end, use)
             return
-        never: list[int] = []
-        for start, end, use in _runs_all(uses):
-            if use == _NEVER:
-                never.extend(range(lo + start, lo + end))
+        for start, end, use in op.runs:
+            if use == _NEVER:  # its held units' runs may go before later runs: other uses
+                self._drop_never(keys, lo + start, lo + end, None, e)
             else:
                 self.push(keys, lo + start, lo + end, use)
-        if never:
-            self._drop_never(keys, never, e)
 
     def release(self, e: int) -> None:
         """Runs that waited for a release at ``e - 1`` compete again."""
