@@ -109,6 +109,35 @@ def _matched_tokens(hit: PrefixHit) -> int:
     return max(hit.num_tokens, hit.junction_tokens, hit.full_attention_tokens)
 
 
+def _index_of_zero(scores: list[float], start: int) -> int:
+    """The first index at or after ``start`` whose score is 0, else -1 (a C-level scan)."""
+    try:
+        return scores.index(0.0, start)
+    except ValueError:
+        return -1
+
+
+class _Positions:
+    """Candidate id → index, built only when first asked: a few lookups scan the id list
+    (``list.index``, C); many build the dictionary once."""
+
+    __slots__ = ("_asked", "_by_id", "ids")
+
+    def __init__(self, ids: list[str]) -> None:
+        self.ids = ids
+        self._by_id: dict[str, int] | None = None
+        self._asked = 0
+
+    def __getitem__(self, req_id: str) -> int:
+        if self._by_id is not None:
+            return self._by_id[req_id]
+        self._asked += 1
+        if self._asked > 8:
+            self._by_id = dict(zip(self.ids, range(len(self.ids)), strict=True))
+            return self._by_id[req_id]
+        return self.ids.index(req_id)
+
+
 class RankedOrder(AdmissionOrder):
     """An order by a per-candidate score (larger first, ties to the earlier candidate).
 
@@ -165,9 +194,19 @@ class RankedOrder(AdmissionOrder):
         with blocks larger than full attention's can hold the block past a match it
         cannot extend yet). The watchers see only hashes indexed *after* a probe, so
         these get the check one by one whenever something was indexed since."""
+        self._scores_now: list[float] = []
+        """The last ranking's scores (by candidate index): where ``choose`` finds the next
+        zero-score candidate."""
+        self._zero = -1
+        """Index of the zero-score candidate standing in the heap for all of them (-1:
+        none)."""
         self._marks: list[int] | None = None
         self._watching = True
         """Whether the probe lists new hashes; else every stale candidate is scanned."""
+        self._growth_key: dict[str, tuple[int, int]] = {}
+        """Request id → (hit tokens, matched tokens) its growth probes were computed for."""
+        self._with_hit: set[str] = set()
+        """Candidates whose cached hit has tokens (``live_scores``: rescored per ranking)."""
         self._scores: dict[str, float] = {}
         """Request id → ``score`` of its cached hit (a function of the hit alone)."""
         self._ceilings: dict[str, float] = {}
@@ -179,7 +218,8 @@ class RankedOrder(AdmissionOrder):
     @abstractmethod
     def score(self, request: SchedRequest, hit: PrefixHit | None) -> float:
         """Larger is admitted first; ``hit`` is the (cached) usable hit when the order
-        probes, else ``None``."""
+        probes, else ``None``. A probing order scores a hit of 0 tokens 0 and a longer
+        one above 0 (the ranking keeps only one zero-score candidate in its heap)."""
 
     def ceiling(self, request: SchedRequest) -> float:
         """The largest score any hit could give ``request`` (probing orders)."""
@@ -197,9 +237,21 @@ class RankedOrder(AdmissionOrder):
         self._cached[req_id] = (version, hit)
         self._checked[req_id] = version[1]
         self._scores[req_id] = self.score(request, hit)
+        if hit.num_tokens:
+            self._with_hit.add(req_id)
+        else:
+            self._with_hit.discard(req_id)
         growth_probes = getattr(probe, "growth_probes", None)
         if growth_probes is not None:
             matched = _matched_tokens(hit)
+            key = (hit.num_tokens, matched)
+            if self._growth_key.get(req_id) == key:
+                # the same probes as at the last registration (a re-probe at the top that
+                # found the same hit): watchers, marks and ``_held`` stay as they were
+                # (the watchers' guarantee holds from that registration; the marked path
+                # asks whether anything was indexed since this probe)
+                return hit
+            self._growth_key[req_id] = key
             probes = growth_probes(request, hit.num_tokens, matched)
             self._unwatch(req_id)
             if probes is None:
@@ -307,32 +359,49 @@ class RankedOrder(AdmissionOrder):
             ranked = [(-self.score(r, None), i) for i, r in enumerate(candidates)]
             heapq.heapify(ranked)
             return ranked
-        cached, scores_of, checked = self._cached, self._scores, self._checked
-        live, score = self.live_scores, self.score
+        scores_of, checked = self._scores, self._checked
         indexed = version[1]
         listed = self._note_new_hashes(probe, indexed)
-        held = self._held
-        scores: list[float] = []
-        stale: list[int] = []
-        for index, request in enumerate(candidates):
-            req_id = request.req_id
-            entry = cached.get(req_id)
-            if entry is None:
-                self._probe(request, probe, version)
-                scores.append(scores_of[req_id])
-                continue
-            if (not listed or req_id in held) and \
-                    checked.get(req_id, entry[0][1]) != indexed:
-                stale.append(index)
-            hit = entry[1]
-            scores.append(score(request, hit) if live and hit.num_tokens
-                          else scores_of[req_id])
+        # one Python-level pass over the (up to ``lookahead_requests``) candidates; the
+        # rest runs in C (map, zip, set intersections) or touches only the few new / hit /
+        # held / marked ones
+        ids = [r.req_id for r in candidates]
+        position = _Positions(ids)
+        known = list(map(scores_of.get, ids))
+        if None in known:
+            for index, score in enumerate(known):  # new ones: probed (checked now)
+                if score is None:
+                    self._probe(candidates[index], probe, version)
+        scores: list[float] = list(map(scores_of.__getitem__, ids))
+        # stale: something indexed since the last check; with watchers, only those whose
+        # growth check held at their probe are checked one by one
+        if not listed:
+            stale = [index for index, req_id in enumerate(ids) if checked[req_id] != indexed]
+        elif self._held:
+            stale = sorted(position[req_id] for req_id in self._held.intersection(ids)
+                           if checked[req_id] != indexed)
+        else:
+            stale = []
+        if self.live_scores and self._with_hit:  # hits with tokens: rescored on the pool
+            cached, rescore = self._cached, self.score
+            for req_id in self._with_hit.intersection(ids):
+                index = position[req_id]
+                scores[index] = rescore(candidates[index], cached[req_id][1])
         best = max(scores)  # before any growth probe, as the check one by one has it
         if listed:
-            self._regrow_marked(candidates, probe, version, scores, best)
+            self._regrow_marked(candidates, position, probe, version, scores, best)
         if stale:
             self._regrow_stale(candidates, probe, version, scores, stale, best)
-        ranked = [(-s, i) for i, s in enumerate(scores)]
+        # The heap holds every candidate with a positive score (a hit: ``_with_hit``) and
+        # the first one scoring 0; the other zeros (most candidates, usually) are only
+        # implied, in index order behind it: ``choose`` pushes the next one when the
+        # representative leaves 0. Scores of probing orders are never negative.
+        ranked = [(-scores[index], index)
+                  for index in map(position.__getitem__, self._with_hit.intersection(ids))]
+        self._scores_now = scores
+        self._zero = _index_of_zero(scores, 0)
+        if self._zero >= 0:
+            ranked.append((-0.0, self._zero))
         heapq.heapify(ranked)
         return ranked
 
@@ -342,9 +411,9 @@ class RankedOrder(AdmissionOrder):
             ceiling = self._ceilings[request.req_id] = self.ceiling(request)
         return ceiling
 
-    def _regrow_marked(self, candidates: Sequence[SchedRequest], probe: Probe,
-                       version: tuple[int, int], scores: list[float], best: float,
-                       ) -> None:
+    def _regrow_marked(self, candidates: Sequence[SchedRequest], position: _Positions,
+                       probe: Probe, version: tuple[int, int], scores: list[float],
+                       best: float) -> None:
         """The check one by one for the marked candidates (a watched hash entered an
         index since their probe): probe again those whose hit may have grown above
         ``best`` (``scores`` updated in place). Undecided ones stay marked for the next
@@ -357,12 +426,14 @@ class RankedOrder(AdmissionOrder):
         full_grown, window_grown = self._grown
         if not (full_grown or window_grown):
             return
-        position = {r.req_id: i for i, r in enumerate(candidates)}
         checked, indexed, held = self._checked, version[1], self._held
-        for req_id in [*full_grown, *window_grown]:
-            index = position.get(req_id, -1)
-            if index < 0 or req_id in held or req_id not in self._cached:
+        for req_id in [*full_grown.intersection(position.ids),
+                       *window_grown.intersection(position.ids)]:
+            if req_id in held or req_id not in self._cached:
                 continue
+            index = position[req_id]
+            if checked[req_id] == indexed:
+                continue  # nothing indexed since its last probe or check: stays marked
             request = candidates[index]
             if self._ceiling_of(request) <= best:
                 continue  # stays marked: looked at again at the next ranking
@@ -414,6 +485,10 @@ class RankedOrder(AdmissionOrder):
                 return request, hit
             hit = self._probe(request, probe, version)
             entry = (-self._scores[request.req_id], index)
+            if index == self._zero and entry[0]:  # the zeros' representative grew
+                self._zero = _index_of_zero(self._scores_now, index + 1)
+                if self._zero >= 0:
+                    heapq.heappush(ranked, (-0.0, self._zero))  # below the top: a heap
             if len(ranked) == 1 or entry <= min(ranked[1:3]):
                 ranked[0] = entry  # still at most both children: a heap
                 return request, hit
@@ -427,6 +502,8 @@ class RankedOrder(AdmissionOrder):
         self._growth.pop(req_id, None)
         self._scores.pop(req_id, None)
         self._ceilings.pop(req_id, None)
+        self._with_hit.discard(req_id)
+        self._growth_key.pop(req_id, None)
 
 
 class LongestHitOrder(RankedOrder):
@@ -580,6 +657,8 @@ class StarvationGuard:
         self.max_admissions = max(max_admissions, free_admissions)
         self._due_for: Sequence[SchedRequest] | None = None
         self._due: SchedRequest | None = None
+        self._waiting_due: set[str] = set()
+        """Ids of the waiting requests that are due (none: ``due`` scans nothing)."""
 
     def is_due(self, request: SchedRequest) -> bool:
         passes = request.num_overtaken
@@ -589,21 +668,34 @@ class StarvationGuard:
 
     def due(self, candidates: Sequence[SchedRequest]) -> SchedRequest | None:
         """The first due candidate (cached per candidate list: counts change only by
-        admissions, which make a new list)."""
+        admissions, which make a new list; no scan while no waiting request is due)."""
         if candidates is not self._due_for:
             self._due_for = candidates
-            self._due = next((r for r in candidates if self.is_due(r)), None)
+            self._due = None if not self._waiting_due else next(
+                (r for r in candidates if self.is_due(r)), None)
         return self._due
+
+    def on_requeued(self, request: SchedRequest) -> None:
+        """``request`` (admitted before) is waiting again (preempted): due again if its
+        counts say so."""
+        if self.is_due(request):
+            self._waiting_due.add(request.req_id)
 
     def on_admitted(self, candidates: Sequence[SchedRequest], admitted: object,
                     new_tokens: int) -> None:
         """``admitted`` (computing ``new_tokens`` prompt tokens) passed the candidates
         ahead of it."""
+        waiting_due = self._waiting_due
+        admitted_id = getattr(admitted, "req_id", None)
+        if waiting_due and isinstance(admitted_id, str):
+            waiting_due.discard(admitted_id)
         for request in candidates:
             if request is admitted:
                 return
             request.num_overtaken += 1
             request.overtaken_tokens += new_tokens
+            if self.is_due(request):
+                waiting_due.add(request.req_id)
 
 
 ORDERS: dict[str, type[AdmissionOrder]] = {

@@ -253,6 +253,7 @@ class Scheduler:
     def _preempt(self, request: SchedRequest) -> None:
         self.manager.free(request.req_id)
         self.waiting.appendleft(request)
+        self.guard.on_requeued(request)
         self.num_preemptions += 1
         self._queue_version += 1
 
