@@ -37,6 +37,7 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from hybridkv.errors import ConfigError
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     from hybridkv.sim.scheduler import SchedRequest
 
 _Probes = tuple[tuple["Mapping[BlockHash, Block]", "BlockHash"], ...]
+_WindowProbes = tuple[tuple["Mapping[BlockHash, Block]", tuple["BlockHash", ...]], ...]
+_Growth = tuple[_Probes, _WindowProbes, int]
 
 
 class Probe(Protocol):
@@ -172,17 +175,26 @@ class RankedOrder(AdmissionOrder):
         """Request id → (lookup version, hit) of its last probe."""
         self._checked: dict[str, int] = {}
         """Request id → hashes ever indexed at its last probe or growth check."""
-        self._growth: dict[str, tuple[_Probes, _Probes, int] | None] = {}
+        self._growth: dict[str, _Growth | None] = {}
         """Request id → ``may_extend``'s probes for its cached hit, split (when the probe
         offers them; ``None``: always true): the full-attention block past the match,
         the window blocks inside it, and the match's length. The check is repeated
         without a call into the manager, the long window part only when a hit up to the
         match could beat the best score."""
-        self._watchers: tuple[dict[BlockHash, set[str]], dict[BlockHash, set[str]]] = (
-            {}, {})
-        """Hash → candidates whose growth check asks for it, for the full-attention and
-        the other groups (when the probe lists new hashes: ``new_hashes``): a hash that
-        enters an index marks its watchers, so a ranking touches only those."""
+        self._watchers: dict[BlockHash, set[str]] = {}
+        """Full-attention hash → candidates whose growth check asks for it (when the
+        probe lists new hashes: ``new_hashes``): a hash that enters an index marks its
+        watchers, so a ranking touches only those (window hashes: ``_window_watch``)."""
+        self._window_watch: dict[BlockHash, tuple[str, int]] = {}
+        """Window hash → the (request, generation) token that last registered it (the
+        window part of the watchers: thousands of hashes per long prompt, registered by
+        C-level updates; a token is live while ``_generation`` holds its generation)."""
+        self._window_more: dict[BlockHash, list[tuple[str, int]]] = {}
+        """Window hash → the other live tokens registered for it before."""
+        self._generation: dict[str, int] = {}
+        self._window_count: dict[str, int] = {}
+        self._window_live = 0
+        self._next_generation = 0
         self._grown: tuple[set[str], set[str]] = (set(), set())
         """Candidates a watched hash entered an index for since their probe: through full
         attention (any longer hit possible) / only inside the match (window tails). A
@@ -252,27 +264,82 @@ class RankedOrder(AdmissionOrder):
                 # asks whether anything was indexed since this probe)
                 return hit
             self._growth_key[req_id] = key
-            probes = growth_probes(request, hit.num_tokens, matched)
+            growth = self._growth_parts(request, probe, hit.num_tokens, matched)
             self._unwatch(req_id)
-            if probes is None:
-                self._growth[req_id] = None
+            self._growth[req_id] = growth
+            if growth is None:
                 self._held.add(req_id)
-            else:  # full attention's probes come first: those of a lookup at the match
-                full = probes if matched <= hit.num_tokens else \
-                    growth_probes(request, matched, matched) or ()
-                growth = (probes[:len(full)], probes[len(full):], matched)
-                self._growth[req_id] = growth
-                if any(block_hash in index for index, block_hash in probes):
+            else:
+                full, window, _ = growth
+                if any(block_hash in index for index, block_hash in full) or any(
+                        not index.keys().isdisjoint(hashes) for index, hashes in window):
                     self._held.add(req_id)  # checked one by one: not watched
                 elif self._watching:
-                    for watchers, part in zip(self._watchers, growth[:2], strict=True):
-                        for _, block_hash in part:
-                            watching = watchers.get(block_hash)
-                            if watching is None:
-                                watchers[block_hash] = {req_id}
-                            else:
-                                watching.add(req_id)
+                    watchers = self._watchers
+                    for _, block_hash in full:
+                        watching = watchers.get(block_hash)
+                        if watching is None:
+                            watchers[block_hash] = {req_id}
+                        else:
+                            watching.add(req_id)
+                    if window:
+                        self._watch_window(req_id, window)
         return hit
+
+    def _growth_parts(self, request: SchedRequest, probe: Probe, num_tokens: int,
+                      matched: int) -> _Growth | None:
+        """``may_extend``'s probes for a hit of ``num_tokens`` matched to ``matched``:
+        the full-attention (index, hash) pairs, the other groups' (index, hashes inside
+        the match), and ``matched`` (``None``: always true)."""
+        parts = getattr(probe, "growth_probe_parts", None)
+        if parts is not None:
+            split = parts(request, num_tokens, matched)
+            return None if split is None else (split[0], split[1], matched)
+        probes = probe.growth_probes(request, num_tokens, matched)
+        if probes is None:
+            return None
+        # full attention's probes come first: those of a lookup at the match
+        full = probes if matched <= num_tokens else \
+            probe.growth_probes(request, matched, matched) or ()
+        return (probes[:len(full)],
+                tuple((index, (block_hash,)) for index, block_hash in probes[len(full):]),
+                matched)
+
+    def _watch_window(self, req_id: str, window: _WindowProbes) -> None:
+        """Register ``req_id`` as a watcher of its window probes: C-level dictionary
+        updates with a (request, generation) token; unwatching only retires the
+        generation (stale tokens are skipped, and dropped when the table is rebuilt)."""
+        generation = self._next_generation
+        self._next_generation += 1
+        self._generation[req_id] = generation
+        token = (req_id, generation)
+        watch, generations = self._window_watch, self._generation
+        count = 0
+        for _, hashes in window:
+            for block_hash in watch.keys() & hashes:  # another live watcher: keep both
+                other = watch[block_hash]
+                if other[0] != req_id and generations.get(other[0]) == other[1]:
+                    self._window_more.setdefault(block_hash, []).append(other)
+            watch.update(zip(hashes, repeat(token)))
+            count += len(hashes)
+        self._window_count[req_id] = count
+        self._window_live += count
+        if len(watch) > 2 * self._window_live + 4096:
+            self._rebuild_window_watch()
+
+    def _rebuild_window_watch(self) -> None:
+        """Drop the retired tokens: the table from the live registrations only."""
+        self._window_watch.clear()
+        self._window_more.clear()
+        generations = self._generation
+        live = list(generations.items())
+        generations.clear()
+        self._window_live = 0
+        for req_id, _ in live:
+            growth = self._growth.get(req_id)
+            if growth is None:
+                continue
+            self._watch_window(req_id, growth[1])
 
     def _unwatch(self, req_id: str) -> None:
         growth = self._growth.get(req_id)
@@ -281,15 +348,17 @@ class RankedOrder(AdmissionOrder):
             return
         for grown in self._grown:
             grown.discard(req_id)
+        if self._generation.pop(req_id, None) is not None:  # its window tokens retire
+            self._window_live -= self._window_count.pop(req_id, 0)
         if growth is None:
             return
-        for watchers, part in zip(self._watchers, growth[:2], strict=True):
-            for _, block_hash in part:
-                watching = watchers.get(block_hash)
-                if watching is not None:
-                    watching.discard(req_id)
-                    if not watching:
-                        del watchers[block_hash]
+        watchers = self._watchers
+        for _, block_hash in growth[0]:
+            watching = watchers.get(block_hash)
+            if watching is not None:
+                watching.discard(req_id)
+                if not watching:
+                    del watchers[block_hash]
 
     def _note_new_hashes(self, probe: Probe, indexed: int) -> bool:
         """Mark the watchers of hashes indexed since the last ranking; False when the
@@ -302,21 +371,31 @@ class RankedOrder(AdmissionOrder):
         new_hashes = getattr(probe, "new_hashes", None)
         if new_hashes is None:
             self._watching = False
-            for watchers in self._watchers:
-                watchers.clear()
+            self._watchers.clear()
             for grown in self._grown:
                 grown.clear()
+            self._window_watch.clear()
+            self._window_more.clear()
+            self._generation.clear()
             return False
         self._marks, hashes = new_hashes(self._marks)
         if hashes is None:
             checked = self._checked
             self._grown[0].update(r for r in self._cached if checked.get(r) != indexed)
             return True
-        for watchers, grown, part in zip(self._watchers, self._grown, hashes, strict=True):
-            for block_hash in part:
-                watching = watchers.get(block_hash)
-                if watching is not None:
-                    grown.update(watching)
+        watchers, (full_grown, window_grown) = self._watchers, self._grown
+        for block_hash in hashes[0]:
+            watching = watchers.get(block_hash)
+            if watching is not None:
+                full_grown.update(watching)
+        watch, more, generations = self._window_watch, self._window_more, self._generation
+        for block_hash in hashes[1]:
+            token = watch.get(block_hash)
+            if token is not None and generations.get(token[0]) == token[1]:
+                window_grown.add(token[0])
+            for token in more.get(block_hash, ()):
+                if generations.get(token[0]) == token[1]:
+                    window_grown.add(token[0])
         return True
 
     def _may_grow(self, request: SchedRequest, hit: PrefixHit, probe: Probe, best: float,
@@ -339,7 +418,7 @@ class RankedOrder(AdmissionOrder):
         if self.potential(request, matched) <= best:
             return None
         self.num_window_checks += 1
-        return any(block_hash in index for index, block_hash in window)
+        return any(not index.keys().isdisjoint(hashes) for index, hashes in window)
 
     def _rank(self, candidates: Sequence[SchedRequest], probe: Probe,
               version: tuple[int, int]) -> list[tuple[float, int]]:

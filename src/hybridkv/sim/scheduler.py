@@ -285,6 +285,20 @@ class Scheduler:
             request.req_id, num_tokens, matched_tokens)
         return result
 
+    def growth_probe_parts(self, request: SchedRequest, num_tokens: int, matched_tokens: int,
+                           ) -> tuple[tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...],
+                                      tuple[tuple[Mapping[BlockHash, Block],
+                                                  tuple[BlockHash, ...]], ...]] | None:
+        """``KVCacheManager.growth_probe_parts`` (a manager without it: ``None``,
+        always look again)."""
+        parts = getattr(self.manager, "growth_probe_parts", None)
+        if parts is None:
+            return None
+        result: tuple[tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...],
+                      tuple[tuple[Mapping[BlockHash, Block], tuple[BlockHash, ...]], ...]] | \
+            None = parts(request.req_id, num_tokens, matched_tokens)
+        return result
+
     @property
     def version(self) -> tuple[int, int]:
         return self.manager.lookup_version
