@@ -137,9 +137,8 @@ class FreeBlockQueue:
         remaining = num_blocks - from_stack
         if remaining:
             node = self._head.next_free
-            append = taken.append
             for _ in range(remaining):  # the count bounds the walk: never reaches the tail
-                append(node)  # type: ignore[arg-type]
+                taken.append(node)  # type: ignore[arg-type]
                 nxt = node.next_free  # type: ignore[union-attr]
                 node.prev_free = node.next_free = None  # type: ignore[union-attr]
                 node = nxt
@@ -169,7 +168,7 @@ class FreeBlockQueue:
         """Link ``blocks`` at the tail in the given order (evicted last)."""
         last = self._tail.prev_free
         assert last is not None
-        self._splice(last, self._tail, blocks)
+        self._splice(last, self._tail, blocks if isinstance(blocks, list) else list(blocks))
 
     def push_front_n(self, blocks: Iterable[Block]) -> None:
         """Link ``blocks`` at the front of the linked list, behind the head stack, in the
@@ -183,9 +182,9 @@ class FreeBlockQueue:
         """
         first = self._head.next_free
         assert first is not None
-        self._splice(self._head, first, blocks)
+        self._splice(self._head, first, blocks if isinstance(blocks, list) else list(blocks))
 
-    def _splice(self, before: Block, after: Block, blocks: Iterable[Block]) -> None:
+    def _splice(self, before: Block, after: Block, blocks: list[Block]) -> None:
         """Link ``blocks``, in order, between the adjacent nodes ``before`` and ``after``."""
         last = before
         count = 0
@@ -202,13 +201,17 @@ class FreeBlockQueue:
 
     def prepend_n(self, blocks: Iterable[Block]) -> None:
         """Put ``blocks`` in front of the head, keeping their order (reused first)."""
-        ordered = list(blocks)
-        ordered.reverse()
+        self.prepend_owned(list(blocks))
+
+    def prepend_owned(self, blocks: list[Block]) -> None:
+        """``prepend_n(blocks)`` for a list the caller gives up: it is reversed in place
+        and pushed as it is (no copy)."""
+        blocks.reverse()
         queue_id = self.queue_id
-        for block in ordered:
+        for block in blocks:
             block.queue_id = queue_id
-        self._stack.extend(ordered)
-        self.num_blocks += len(ordered)
+        self._stack.extend(blocks)
+        self.num_blocks += len(blocks)
 
     def check_links(self) -> list[Block]:
         """Verify the stack, the links and the count; return the blocks in queue order."""

@@ -51,14 +51,17 @@ _QUEUE_OF_TIER = (FREE_QUEUE, FREE_QUEUE, PINNED_QUEUE, DEAD_QUEUE, PROTECTED_QU
                   SESSION_QUEUE)
 
 
-def _drop_references(blocks: Iterable[Block], split: bool,
+def _drop_references(blocks: list[Block], split: bool,
                      ) -> tuple[list[Block], list[Block]]:
     """Drop one reference on each non-null block; return those reaching 0 as (unhashed
     scratch, hashed), each in the given order — or, with ``split`` false, all of them in
-    the given order as the first list (both classes go to the same tier)."""
+    the given order as the first list (both classes go to the same tier).
+
+    ``blocks`` is a list and the appends are direct method calls: compiled, the loop is
+    an indexed C loop with native list appends (an ``Iterable`` parameter or a bound
+    ``append`` held in a variable makes every step a generic Python call)."""
     scratch: list[Block] = []
-    cached: list[Block] = []
-    to_scratch, to_cached = scratch.append, (cached if split else scratch).append
+    cached: list[Block] = scratch if not split else []
     for block in blocks:
         if block.is_null:
             continue
@@ -66,14 +69,14 @@ def _drop_references(blocks: Iterable[Block], split: bool,
         if ref_count == 0:
             block.ref_count = 0
             if block.block_hash is None:
-                to_scratch(block)
+                scratch.append(block)
             else:
-                to_cached(block)
+                cached.append(block)
         elif ref_count > 0:
             block.ref_count = ref_count
         else:
             raise InvariantViolation(f"free of {block!r} whose ref_count is already 0")
-    return scratch, cached
+    return scratch, (cached if split else [])
 
 
 class BlockPool:
@@ -223,9 +226,13 @@ class BlockPool:
         """
         self.epoch += 1
         split = scratch_tier is not cached_tier or self.eviction is not None
-        scratch, cached = _drop_references(blocks, split)
+        scratch, cached = _drop_references(
+            blocks if isinstance(blocks, list) else list(blocks), split)
         if scratch:
-            self.link(scratch, scratch_tier)
+            if scratch_tier is FreeTier.HEAD:  # a fresh list: pushed without a copy
+                self.queues[_QUEUE_OF_TIER[FreeTier.HEAD]].prepend_owned(scratch)
+            else:
+                self.link(scratch, scratch_tier)
         if not cached:
             return
         if self.eviction is None:
@@ -244,7 +251,8 @@ class BlockPool:
         tail: list[Block] = []
         for blocks, cached_tier in parts:
             split = scratch_tier is not cached_tier
-            scratch, cached = _drop_references(blocks, split)
+            scratch, cached = _drop_references(
+                blocks if isinstance(blocks, list) else list(blocks), split)
             for released, tier in ((scratch, scratch_tier), (cached, cached_tier)):
                 if tier is FreeTier.HEAD:
                     head_lists.append(released)
@@ -252,9 +260,10 @@ class BlockPool:
                     tail.extend(released)
                 elif released:  # pinned: its own queue, linked in list order
                     self.link(released, tier)
-        head = [block for released in reversed(head_lists) for block in released]
-        if head:
-            self.link(head, FreeTier.HEAD)
+        if head_lists:  # prepend_n of each part's list in turn: the last one ends first
+            head_queue = self.queues[_QUEUE_OF_TIER[FreeTier.HEAD]]
+            for released in head_lists:
+                head_queue.prepend_owned(released)
         if tail:
             self.link(tail, FreeTier.TAIL)
 
@@ -300,7 +309,15 @@ class BlockPool:
                 (0, group_id, h) for b, h in zip(blocks, hashes, strict=True)
                 if b.block_hash is None and not b.is_null)
         duplicates = self._duplicates[group_id]
-        for block, block_hash in zip(blocks, hashes, strict=True):
+        if len(blocks) != len(hashes):
+            raise ValueError(f"cache_blocks: {len(blocks)} blocks but {len(hashes)} hashes")
+        # lists, walked by index: compiled, a native loop (``zip(..., strict=True)`` is a
+        # generic iterator building a tuple per pair)
+        block_list = blocks if isinstance(blocks, list) else list(blocks)
+        hash_list = hashes if isinstance(hashes, list) else list(hashes)
+        for i in range(len(block_list)):
+            block = block_list[i]
+            block_hash = hash_list[i]
             if block.block_hash is not None or block.is_null:
                 continue
             block.block_hash = block_hash

@@ -58,6 +58,12 @@ class SiblingBatch:
         plan = first.cache_plan(req_id, hashes, hash_block_size, num_tokens, boundaries,
                                 bridge_end_tokens)
         num_cached = first.num_cached_blocks.get(req_id, 0)
+        if plan is not None and plan[2] is not None and True not in plan[2]:
+            # the mask keeps no block (``latest`` between boundaries: almost every call):
+            # ``apply_cache_plan`` would only move each member's counter to the plan's end
+            for member in self.members:
+                member.num_cached_blocks[req_id] = plan[1]
+            return
         for member in self.members:
             if plan is not None:
                 member.apply_cache_plan(req_id, hashes, hash_block_size, plan)

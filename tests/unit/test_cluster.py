@@ -11,6 +11,7 @@ from hybridkv.cluster.command import run_router
 from hybridkv.cluster.instance import Instance, InstanceSettings
 from hybridkv.cluster.routers import Load, RoundRobin, RouteRequest, SessionAffinity
 from hybridkv.cluster.simulate import (
+    ClusterRun,
     ClusterSettings,
     Dispatcher,
     run_cluster,
@@ -93,6 +94,22 @@ def test_round_robin_spreads_requests_evenly() -> None:
     assert run.routed_by_instance == [8, 8, 8]
     assert run.requests == 24 and sum(r.requests for r in run.instances) == 24
     assert run.load_imbalance >= 1.0
+    doc = run.to_json()
+    assert doc["mean_max_backlog_tokens"] == pytest.approx(
+        run.load_imbalance * run.mean_backlog_tokens)
+    assert run.mean_max_backlog_tokens >= run.mean_backlog_tokens > 0
+
+
+def test_a_better_ratio_can_hide_a_more_loaded_worst_instance() -> None:
+    """The imbalance ratio divides by each router's own mean backlog. Router A (hits cut
+    its backlog): max 300 / mean 150 per step sums over 2 steps -> ratio 2.0, worst
+    instance 150 tokens on average. Router B: 400 / 250 -> ratio 1.6 (looks better), worst
+    instance 200 (more loaded). ``mean_max_backlog_tokens`` tells them apart."""
+    a = ClusterRun("a", [], steps=2, backlog_max_sum=300, backlog_mean_sum=150.0)
+    b = ClusterRun("b", [], steps=2, backlog_max_sum=400, backlog_mean_sum=250.0)
+    assert a.load_imbalance > b.load_imbalance
+    assert a.mean_max_backlog_tokens < b.mean_max_backlog_tokens
+    assert (a.mean_max_backlog_tokens, b.mean_max_backlog_tokens) == (150.0, 200.0)
 
 
 def test_session_affinity_beats_round_robin_on_agentic_hits() -> None:

@@ -199,9 +199,9 @@ def test_self_paying_rule_caps_the_backlog_a_request_joins() -> None:
     instance = Instance(1, trace, config, "latest", InstanceSettings(), events=True)
     events = instance.advance([1], 5).events
     request = _route_request(trace, 2)
-    capped = make_prefix_router(2, config, trace, residency=True, load_weight=1.0)
-    free = make_prefix_router(2, config, trace, residency=True, load_weight=1.0,
-                              self_paying=False)
+    capped = make_prefix_router(2, config, trace, residency=True, load_weight=1.0,
+                                self_paying=True)
+    free = make_prefix_router(2, config, trace, residency=True, load_weight=1.0)
     for each in (capped, free):
         each.observe(1, events)
     assert capped.route(request, [Load(0, 0), Load(15, 1)]) == Route(1, 16)
@@ -223,3 +223,17 @@ def test_self_paying_rule_keeps_a_landable_hit_and_drops_an_unpaid_chain() -> No
     capped = _run_prefix(_locality_trace(), config, residency=True, self_paying=True)
     assert capped.routed_by_instance == [3, 1] and capped.hit_tokens == 0
     assert capped.phantom_hit_tokens == 0
+
+
+def test_the_cli_residency_router_keeps_locality_that_the_self_paying_rule_drops() -> None:
+    """``hybridkv cluster --router prefix-residency`` scores ``h + c - queued`` without the
+    self-paying rule (measured to cost hits on held-out traces: docs/benchmarks.md): in the
+    locality trace r1 follows P's chain into instance 0's 9-token queue (0 + 24 - 9 > 0),
+    builds the junction, and r2 hits it; the rule (above) sends r1 to the idle instance
+    and nothing hits."""
+    trace, config = _locality_trace(), _tiny()
+    default = run_router("prefix-residency", trace, config, "latest", _settings())
+    assert default.routed_by_instance == [4, 0] and default.hit_tokens == 24
+    assert default.phantom_hit_tokens == 0
+    ablation = _run_prefix(trace, config, residency=True, self_paying=True)
+    assert ablation.hit_tokens == 0

@@ -40,17 +40,21 @@ queue (``--load-weight 0`` routes on the value alone). The value:
   Among equal scores the larger exact hit wins (then the lighter load), where the
   full-attention index guesses.
 
-**Balance: the self-paying rule** (``prefix-residency`` only; ``self_paying_instances``).
-Before scoring, the candidates are cut to the instances whose backlog exceeds that of
-the instance with the least work left after this request (smallest ``queued - exact``)
-by at most their own exact landable hit: ``queued_i - queued_low <= exact_i``. A request
-joins a longer queue only when the prefill it skips there is at least the extra prefill
-it waits behind — the balance cost is paid in the same unit by a saving that is certain
-(the residency index is exact wherever eviction during the queue cannot strike); the
-locality term ``c`` only ranks instances the rule allows, so it never buys balance with
-a hit that may not come. The full-attention-only index cannot apply the rule: its
-"exact" hit is the chain, phantom where the tail is gone. Worked example: backlogs 0,
-500, 900 and exact hits 0, 600, 0 allow instances 0 and 1 (500 <= 600), not 2.
+**Balance.** The load term ``- load_weight * queued`` is the only balance rule of both
+routers. An extra rule was measured and is kept as an ablation, off by default
+(``self_paying=True``, ``self_paying_instances``): before scoring, cut the candidates to
+the instances whose backlog exceeds that of the instance with the least work left after
+this request (smallest ``queued - exact``) by at most their own exact landable hit,
+``queued_i - queued_low <= exact_i``, so that only a certain saving buys a longer queue
+and the chain ranks only among what the rule allows. It forbids exactly the moves that
+build locality (a request with no landable point follows its prefix's chain into a
+short queue and leaves the junction there): on held-out slices (``mooncake_synthetic``
+requests 1,501-3,000 and 3,001-3,993, gemma3-bench and qwen3.5-27b, 4 and 8 instances)
+``prefix-residency`` with the rule lost to ``prefix-fa`` on cluster hit rate in 6 of 8
+rows (e.g. 16.31% vs 25.16%), without it in 1 of 8 (31.60% vs 25.16% there), and the
+rule did not bring load balance to session affinity's level either
+(``docs/benchmarks.md``). Worked example of the rule: backlogs 0, 500, 900 and exact hits
+0, 600, 0 allow instances 0 and 1 (500 <= 600), not 2.
 
 The router never reads an instance's manager: everything above comes from the events and
 the load reports (a test feeds a router a stream and checks it against the manager).
@@ -109,7 +113,7 @@ class PrefixRouter(Router):
 
     def __init__(self, num_instances: int, trace: Trace, hasher: BlockHasher, *,
                  residency: bool, load_weight: float = 1.0, locality: bool = True,
-                 self_paying: bool = True) -> None:
+                 self_paying: bool = False) -> None:
         super().__init__(num_instances)
         self.locality = locality
         self.self_paying = self_paying and residency
@@ -225,7 +229,8 @@ def _chain_tokens(resident: dict[int | bytes, int], external: Sequence[int], rat
 
 def self_paying_instances(queued_tokens: Sequence[int],
                           exact_hit_tokens: Sequence[int]) -> list[int]:
-    """The instances a request may be sent to under the self-paying balance rule.
+    """The instances a request may be sent to under the self-paying balance rule (an
+    ablation, ``PrefixRouter(self_paying=True)``: measured to cost hits, module docstring).
 
     ``low`` is the instance where the request's prefill would leave the least work queued
     (smallest ``queued - exact hit``; ties: lowest index). Another instance ``i`` is
@@ -248,7 +253,7 @@ def self_paying_instances(queued_tokens: Sequence[int],
 
 def make_prefix_router(num_instances: int, config: CacheConfig, trace: Trace, *,
                        residency: bool, load_weight: float,
-                       locality: bool = True, self_paying: bool = True) -> PrefixRouter:
+                       locality: bool = True, self_paying: bool = False) -> PrefixRouter:
     hasher = BlockHasher(config.hash_block_size, config.hash_algo,
                          config.hash_lookahead_tokens)
     return PrefixRouter(num_instances, trace, hasher, residency=residency,

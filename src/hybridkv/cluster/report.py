@@ -18,9 +18,11 @@ instances); per-instance = each instance's own hit rate; imbalance = sum over st
 largest instance backlog / sum over steps of the mean backlog, where an instance's backlog
 is the prompt tokens routed to it and not yet computed or loaded from its cache (1.00 =
 every instance always equally loaded, N = one instance holds all of it); backlog = mean
-backlog per instance (tokens); steps = global steps until the last request finished;
-phantom = prompt tokens a prefix router expected to hit where it routed that did not hit
-(its index said resident, the instance could not use it)."""
+backlog per instance (tokens); max backlog = the most loaded instance's backlog, averaged
+over the steps (imbalance x backlog: the ratio divides by the router's own mean backlog,
+which prefix hits shrink, so compare this too); steps = global steps until the last
+request finished; phantom = prompt tokens a prefix router expected to hit where it routed
+that did not hit (its index said resident, the instance could not use it)."""
 
 
 @dataclass(slots=True)
@@ -50,6 +52,7 @@ def render_cluster_table(report: ClusterReport, console: Console) -> None:
                   f"{report.policy}")
     for name, justify in (("router", "left"), ("hit", "right"), ("per-instance", "left"),
                           ("imbalance", "right"), ("backlog", "right"),
+                          ("max backlog", "right"),
                           ("preempt", "right"), ("steps", "right"), ("phantom", "right"),
                           ("wall s", "right")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
@@ -59,6 +62,7 @@ def render_cluster_table(report: ClusterReport, console: Console) -> None:
         table.add_row(run.router + star, _pct(run.hit_rate),
                       " ".join(f"{100 * r.hit_rate:.1f}" for r in run.instances),
                       f"{run.load_imbalance:.2f}", f"{run.mean_backlog_tokens:,.0f}",
+                      f"{run.mean_max_backlog_tokens:,.0f}",
                       f"{run.preemptions:,}", f"{run.steps:,}",
                       f"{run.phantom_hit_tokens:,}", f"{run.seconds:.1f}")
     console.print(table)

@@ -214,12 +214,29 @@ class ClusterRun:
         """Mean queued prompt tokens per instance over the busy steps."""
         return self.backlog_mean_sum / self.steps if self.steps else 0.0
 
+    @property
+    def mean_max_backlog_tokens(self) -> float:
+        """The most loaded instance's backlog, averaged over the busy steps:
+        ``sum_t max_i q_i(t) / steps`` (= ``load_imbalance * mean_backlog_tokens``).
+
+        The absolute counterpart of ``load_imbalance``, whose denominator is the router's
+        *own* mean backlog: prefix hits shrink every backlog, so a router with hits can
+        show a worse ratio while its worst instance is less loaded. Worked example: 4 busy
+        steps, ``sum_t max`` 400 and ``sum_t mean`` 250 tokens:
+
+        >>> run = ClusterRun("r", [], steps=4, backlog_max_sum=400, backlog_mean_sum=250.0)
+        >>> run.mean_max_backlog_tokens, run.load_imbalance
+        (100.0, 1.6)
+        """
+        return self.backlog_max_sum / self.steps if self.steps else 0.0
+
     def to_json(self) -> dict[str, object]:
         return {
             "router": self.router, "hit_rate": self.hit_rate, "hit_tokens": self.hit_tokens,
             "prompt_tokens": self.prompt_tokens, "requests": self.requests,
             "preemptions": self.preemptions, "load_imbalance": self.load_imbalance,
             "mean_backlog_tokens": self.mean_backlog_tokens,
+            "mean_max_backlog_tokens": self.mean_max_backlog_tokens,
             "peak_backlog_tokens": self.backlog_peak, "steps": self.steps,
             "predicted_hit_tokens": self.predicted_hit_tokens,
             "phantom_hit_tokens": self.phantom_hit_tokens,
