@@ -773,6 +773,55 @@ class KVCacheManager:
                 probes.extend((index, hashes[j]) for j in range(first, last, step))
         return tuple(probes)
 
+    def growth_probe_parts(self, req_id: ReqId, num_tokens: int, matched_tokens: int = 0,
+                           ) -> tuple[tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...],
+                                      tuple[tuple[Mapping[BlockHash, Block],
+                                                  tuple[BlockHash, ...]], ...]] | None:
+        """``growth_probes`` split, the long part as slices: the full-attention (index,
+        hash) pairs, and per other group its index with the hashes probed inside the
+        match (one C-level slice of the chain each, instead of a pair per block: a
+        100k-token match whose window tail is gone has ~1,500 of them at 64-token
+        blocks). Flattened, the same probes in the same order; ``None`` as there.
+
+        >>> from hybridkv import CacheConfig, FullAttentionSpec, SlidingWindowSpec
+        >>> m = KVCacheManager(CacheConfig.from_layers(
+        ...     (FullAttentionSpec(4, 1), SlidingWindowSpec(2, 1, 2)), 64), "latest")
+        >>> m.add_request("r", list(range(20)))
+        >>> full, window = m.growth_probe_parts("r", 4, 12)
+        >>> len(full), [len(hashes) for _, hashes in window]  # blocks ending at 6, 8, 10, 12
+        (1, [4])
+        >>> [h for _, h in m.growth_probes("r", 4, 12)] == [
+        ...     *(h for _, h in full), *(h for _, hs in window for h in hs)]
+        True
+        """
+        state = self._state(req_id, "growth_probe_parts")
+        if not self.config.enable_caching:
+            return (), ()
+        hashes = state.block_hashes
+        hb = self.hasher.block_size
+        pool = self.pool
+        matched = max(num_tokens, matched_tokens)
+        full: list[tuple[Mapping[BlockHash, Block], BlockHash]] = []
+        full_managers = [m for m in self.coordinator.managers if m.is_full_attention]
+        if not full_managers:
+            return None
+        for manager in full_managers:
+            position = (matched // manager.block_size + 1) * manager.block_size // hb - 1
+            if position < len(hashes):
+                full.append((pool.group_index(manager.group_id), hashes[position]))
+        window: list[tuple[Mapping[BlockHash, Block], tuple[BlockHash, ...]]] = []
+        if matched > num_tokens:
+            for manager in self.coordinator.managers:
+                if manager.is_full_attention:
+                    continue
+                step = manager.block_size // hb
+                first = (num_tokens // manager.block_size + 1) * step - 1
+                last = min(matched // hb, len(hashes))
+                if first < last:
+                    window.append((pool.group_index(manager.group_id),
+                                   tuple(hashes[first:last:step])))
+        return tuple(full), tuple(window)
+
     @property
     def usage(self) -> float:
         return self.pool.usage

@@ -24,7 +24,7 @@ from hybridkv import (
     LayerSpec,
     SlidingWindowSpec,
 )
-from hybridkv.sim.admission import ORDERS, FirstComeOrder
+from hybridkv.sim.admission import ORDERS, FirstComeOrder, RankedOrder
 from hybridkv.sim.scheduler import SchedRequest, Scheduler, StepPlan
 
 
@@ -39,19 +39,18 @@ def _copies(requests: list[SchedRequest]) -> list[SchedRequest]:
                          r.phase, r.tag) for r in requests]
 
 
-class ScanningScheduler(Scheduler):
-    """A scheduler whose probe cannot list newly indexed hashes: the orders check growth
-    candidate by candidate (the reference the watchers must agree with)."""
-
-    def __getattribute__(self, name: str) -> object:
-        if name == "new_hashes":
-            raise AttributeError(name)
-        return super().__getattribute__(name)
+def _one_by_one(name: str) -> RankedOrder:
+    """The order ``name`` with its watchers off: growth is checked candidate by candidate
+    (the reference the watchers must agree with; an attribute, not a scheduler subclass,
+    so that it runs on the compiled core too)."""
+    order = ORDERS[name]()
+    assert isinstance(order, RankedOrder)
+    order._watching = False
+    return order
 
 
 def _run(layers: tuple[LayerSpec, ...], requests: list[SchedRequest], admission: object,
          slack: int, max_running: int, chunk_size: int, lookahead_requests: int,
-         scheduler_class: type[Scheduler] = Scheduler,
          ) -> tuple[Scheduler, list[StepPlan]]:
     groups = CacheConfig.from_layers(layers, 2).groups
     worst_case = max(
@@ -60,9 +59,9 @@ def _run(layers: tuple[LayerSpec, ...], requests: list[SchedRequest], admission:
         for r in requests
     )
     manager = KVCacheManager(CacheConfig(groups, 1 + worst_case + slack), "latest")
-    scheduler = scheduler_class(manager, max_running=max_running, chunk_size=chunk_size,
-                                lookahead_requests=lookahead_requests,
-                                admission=admission)  # type: ignore[arg-type]
+    scheduler = Scheduler(manager, max_running=max_running, chunk_size=chunk_size,
+                          lookahead_requests=lookahead_requests,
+                          admission=admission)  # type: ignore[arg-type]
     for request in requests:
         scheduler.add_request(request)
     total_tokens = sum(len(r.prompt_token_ids) + r.max_output_tokens for r in requests)
@@ -168,8 +167,7 @@ def test_watching_new_hashes_decides_as_checking_every_candidate(
     layers, requests = workload
     args = (slack, max_running, chunk_size, lookahead_requests)
     watched, watched_plans = _run(layers, _copies(requests), admission, *args)
-    scanned, scanned_plans = _run(layers, _copies(requests), admission, *args,
-                                  scheduler_class=ScanningScheduler)
+    scanned, scanned_plans = _run(layers, _copies(requests), _one_by_one(admission), *args)
     assert watched_plans == scanned_plans
     assert getattr(watched.admission, "_watching", False)  # the watchers did decide
     assert not getattr(scanned.admission, "_watching", True)  # the reference did scan

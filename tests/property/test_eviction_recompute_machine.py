@@ -56,8 +56,9 @@ class EvictionRecomputeMachine(ManagerMachine):
         retention = setup.policy
         if recompute and sparse:  # bridges need missing tails: favour `latest`
             retention = "latest"
-        if "flops" in eviction and not all(
-                isinstance(s, (FullAttentionSpec, RecurrentStateSpec)) for s in setup.layers):
+        kinds = {s.kind for s in setup.layers}
+        if "flops" in eviction and not (
+                "full_attention" in kinds and kinds <= {"full_attention", "recurrent_state"}):
             eviction = eviction.replace("+flops", "")  # hit points of full + recurrent only
         policy = retention + eviction + ("+recompute" if recompute else "")
         super().init_manager(HybridSetup(setup.layers, setup.num_blocks, policy,
@@ -151,3 +152,19 @@ class EvictionRecomputeMachine(ManagerMachine):
 
 TestEvictionRecomputeMachine = EvictionRecomputeMachine.TestCase
 TestEvictionRecomputeMachine.settings = settings(stateful_step_count=100)
+
+
+def test_flops_is_dropped_for_a_model_without_full_attention() -> None:
+    """``+flops`` values full-attention + recurrent hit points: a recurrent-only model
+    (``random_layer_specs`` draws one) gets the setup without it, not a ``ConfigError``."""
+    machine = EvictionRecomputeMachine()
+    machine.init_manager(HybridSetup((RecurrentStateSpec(2, 1),), 10, "latest", False, None),
+                         "+scan+flops", False, False)
+    assert machine.manager.pool.eviction is not None
+    assert not machine.manager.pool.eviction.options.flops
+    assert machine.manager.pool.eviction.options.scan  # the rest of the draw is kept
+    machine = EvictionRecomputeMachine()  # with full attention, +flops stays
+    machine.init_manager(HybridSetup((FullAttentionSpec(2, 1), RecurrentStateSpec(2, 1)), 10,
+                                     "latest", False, None), "+flops", False, False)
+    assert machine.manager.pool.eviction is not None
+    assert machine.manager.pool.eviction.options.flops

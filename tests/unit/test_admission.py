@@ -10,7 +10,7 @@ import pytest
 from hybridkv import CacheConfig, FullAttentionSpec, KVCacheManager, SlidingWindowSpec
 from hybridkv.cli import main
 from hybridkv.errors import ConfigError, PoolTooSmallError
-from hybridkv.sim.admission import ORDERS, parse_admissions
+from hybridkv.sim.admission import ORDERS, StarvationGuard, parse_admissions
 from hybridkv.sim.replay import ReplaySettings, replay
 from hybridkv.sim.scheduler import SchedRequest, Scheduler
 from hybridkv.sim.trace import Trace, TraceRequest
@@ -169,6 +169,21 @@ def test_starvation_guard_caps_admissions_that_pass_a_request() -> None:
     cold = scheduler.requests["cold"]
     assert order.index("cold") == 4 and cold.num_overtaken == 4
     assert cold.overtaken_tokens == 4  # 32-token hits of 33-token prompts
+
+
+def test_starvation_guard_tracks_due_requests_while_they_wait() -> None:
+    # ``due`` scans the candidates only while some waiting request is due: a pass makes
+    # "a" due (1 pass >= 1 free, 20 tokens >= 10); its admission takes it off the due
+    # set; a preemption puts it back (its counts still say due).
+    guard = StarvationGuard(free_admissions=1, max_prefill_tokens=10, max_admissions=4)
+    a, b, c = (SchedRequest(k, [0], 1) for k in "abc")
+    assert guard.due([a, b]) is None
+    guard.on_admitted([a, b], b, 20)
+    assert guard.due([a, c]) is a
+    guard.on_admitted([a, c], a, 5)  # "a" admitted: "c", behind it, was not passed
+    assert guard.due([c]) is None and c.num_overtaken == 0
+    guard.on_requeued(a)  # preempted: waiting again
+    assert guard.due([a, c]) is a
 
 
 def test_parse_admissions_and_bad_names() -> None:

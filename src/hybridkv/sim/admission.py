@@ -37,6 +37,7 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from hybridkv.errors import ConfigError
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     from hybridkv.sim.scheduler import SchedRequest
 
 _Probes = tuple[tuple["Mapping[BlockHash, Block]", "BlockHash"], ...]
+_WindowProbes = tuple[tuple["Mapping[BlockHash, Block]", tuple["BlockHash", ...]], ...]
+_Growth = tuple[_Probes, _WindowProbes, int]
 
 
 class Probe(Protocol):
@@ -109,6 +112,35 @@ def _matched_tokens(hit: PrefixHit) -> int:
     return max(hit.num_tokens, hit.junction_tokens, hit.full_attention_tokens)
 
 
+def _index_of_zero(scores: list[float], start: int) -> int:
+    """The first index at or after ``start`` whose score is 0, else -1 (a C-level scan)."""
+    try:
+        return scores.index(0.0, start)
+    except ValueError:
+        return -1
+
+
+class _Positions:
+    """Candidate id → index, built only when first asked: a few lookups scan the id list
+    (``list.index``, C); many build the dictionary once."""
+
+    __slots__ = ("_asked", "_by_id", "ids")
+
+    def __init__(self, ids: list[str]) -> None:
+        self.ids = ids
+        self._by_id: dict[str, int] | None = None
+        self._asked = 0
+
+    def __getitem__(self, req_id: str) -> int:
+        if self._by_id is not None:
+            return self._by_id[req_id]
+        self._asked += 1
+        if self._asked > 8:
+            self._by_id = dict(zip(self.ids, range(len(self.ids)), strict=True))
+            return self._by_id[req_id]
+        return self.ids.index(req_id)
+
+
 class RankedOrder(AdmissionOrder):
     """An order by a per-candidate score (larger first, ties to the earlier candidate).
 
@@ -143,17 +175,26 @@ class RankedOrder(AdmissionOrder):
         """Request id → (lookup version, hit) of its last probe."""
         self._checked: dict[str, int] = {}
         """Request id → hashes ever indexed at its last probe or growth check."""
-        self._growth: dict[str, tuple[_Probes, _Probes, int] | None] = {}
+        self._growth: dict[str, _Growth | None] = {}
         """Request id → ``may_extend``'s probes for its cached hit, split (when the probe
         offers them; ``None``: always true): the full-attention block past the match,
         the window blocks inside it, and the match's length. The check is repeated
         without a call into the manager, the long window part only when a hit up to the
         match could beat the best score."""
-        self._watchers: tuple[dict[BlockHash, set[str]], dict[BlockHash, set[str]]] = (
-            {}, {})
-        """Hash → candidates whose growth check asks for it, for the full-attention and
-        the other groups (when the probe lists new hashes: ``new_hashes``): a hash that
-        enters an index marks its watchers, so a ranking touches only those."""
+        self._watchers: dict[BlockHash, set[str]] = {}
+        """Full-attention hash → candidates whose growth check asks for it (when the
+        probe lists new hashes: ``new_hashes``): a hash that enters an index marks its
+        watchers, so a ranking touches only those (window hashes: ``_window_watch``)."""
+        self._window_watch: dict[BlockHash, tuple[str, int]] = {}
+        """Window hash → the (request, generation) token that last registered it (the
+        window part of the watchers: thousands of hashes per long prompt, registered by
+        C-level updates; a token is live while ``_generation`` holds its generation)."""
+        self._window_more: dict[BlockHash, list[tuple[str, int]]] = {}
+        """Window hash → the other live tokens registered for it before."""
+        self._generation: dict[str, int] = {}
+        self._window_count: dict[str, int] = {}
+        self._window_live = 0
+        self._next_generation = 0
         self._grown: tuple[set[str], set[str]] = (set(), set())
         """Candidates a watched hash entered an index for since their probe: through full
         attention (any longer hit possible) / only inside the match (window tails). A
@@ -165,9 +206,19 @@ class RankedOrder(AdmissionOrder):
         with blocks larger than full attention's can hold the block past a match it
         cannot extend yet). The watchers see only hashes indexed *after* a probe, so
         these get the check one by one whenever something was indexed since."""
+        self._scores_now: list[float] = []
+        """The last ranking's scores (by candidate index): where ``choose`` finds the next
+        zero-score candidate."""
+        self._zero = -1
+        """Index of the zero-score candidate standing in the heap for all of them (-1:
+        none)."""
         self._marks: list[int] | None = None
         self._watching = True
         """Whether the probe lists new hashes; else every stale candidate is scanned."""
+        self._growth_key: dict[str, tuple[int, int]] = {}
+        """Request id → (hit tokens, matched tokens) its growth probes were computed for."""
+        self._with_hit: set[str] = set()
+        """Candidates whose cached hit has tokens (``live_scores``: rescored per ranking)."""
         self._scores: dict[str, float] = {}
         """Request id → ``score`` of its cached hit (a function of the hit alone)."""
         self._ceilings: dict[str, float] = {}
@@ -179,7 +230,8 @@ class RankedOrder(AdmissionOrder):
     @abstractmethod
     def score(self, request: SchedRequest, hit: PrefixHit | None) -> float:
         """Larger is admitted first; ``hit`` is the (cached) usable hit when the order
-        probes, else ``None``."""
+        probes, else ``None``. A probing order scores a hit of 0 tokens 0 and a longer
+        one above 0 (the ranking keeps only one zero-score candidate in its heap)."""
 
     def ceiling(self, request: SchedRequest) -> float:
         """The largest score any hit could give ``request`` (probing orders)."""
@@ -197,30 +249,97 @@ class RankedOrder(AdmissionOrder):
         self._cached[req_id] = (version, hit)
         self._checked[req_id] = version[1]
         self._scores[req_id] = self.score(request, hit)
+        if hit.num_tokens:
+            self._with_hit.add(req_id)
+        else:
+            self._with_hit.discard(req_id)
         growth_probes = getattr(probe, "growth_probes", None)
         if growth_probes is not None:
             matched = _matched_tokens(hit)
-            probes = growth_probes(request, hit.num_tokens, matched)
+            key = (hit.num_tokens, matched)
+            if self._growth_key.get(req_id) == key:
+                # the same probes as at the last registration (a re-probe at the top that
+                # found the same hit): watchers, marks and ``_held`` stay as they were
+                # (the watchers' guarantee holds from that registration; the marked path
+                # asks whether anything was indexed since this probe)
+                return hit
+            self._growth_key[req_id] = key
+            growth = self._growth_parts(request, probe, hit.num_tokens, matched)
             self._unwatch(req_id)
-            if probes is None:
-                self._growth[req_id] = None
+            self._growth[req_id] = growth
+            if growth is None:
                 self._held.add(req_id)
-            else:  # full attention's probes come first: those of a lookup at the match
-                full = probes if matched <= hit.num_tokens else \
-                    growth_probes(request, matched, matched) or ()
-                growth = (probes[:len(full)], probes[len(full):], matched)
-                self._growth[req_id] = growth
-                if any(block_hash in index for index, block_hash in probes):
+            else:
+                full, window, _ = growth
+                if any(block_hash in index for index, block_hash in full) or any(
+                        not index.keys().isdisjoint(hashes) for index, hashes in window):
                     self._held.add(req_id)  # checked one by one: not watched
                 elif self._watching:
-                    for watchers, part in zip(self._watchers, growth[:2], strict=True):
-                        for _, block_hash in part:
-                            watching = watchers.get(block_hash)
-                            if watching is None:
-                                watchers[block_hash] = {req_id}
-                            else:
-                                watching.add(req_id)
+                    watchers = self._watchers
+                    for _, block_hash in full:
+                        watching = watchers.get(block_hash)
+                        if watching is None:
+                            watchers[block_hash] = {req_id}
+                        else:
+                            watching.add(req_id)
+                    if window:
+                        self._watch_window(req_id, window)
         return hit
+
+    def _growth_parts(self, request: SchedRequest, probe: Probe, num_tokens: int,
+                      matched: int) -> _Growth | None:
+        """``may_extend``'s probes for a hit of ``num_tokens`` matched to ``matched``:
+        the full-attention (index, hash) pairs, the other groups' (index, hashes inside
+        the match), and ``matched`` (``None``: always true)."""
+        parts = getattr(probe, "growth_probe_parts", None)
+        if parts is not None:
+            split = parts(request, num_tokens, matched)
+            return None if split is None else (split[0], split[1], matched)
+        probes = probe.growth_probes(request, num_tokens, matched)
+        if probes is None:
+            return None
+        # full attention's probes come first: those of a lookup at the match
+        full = probes if matched <= num_tokens else \
+            probe.growth_probes(request, matched, matched) or ()
+        return (probes[:len(full)],
+                tuple((index, (block_hash,)) for index, block_hash in probes[len(full):]),
+                matched)
+
+    def _watch_window(self, req_id: str, window: _WindowProbes) -> None:
+        """Register ``req_id`` as a watcher of its window probes: C-level dictionary
+        updates with a (request, generation) token; unwatching only retires the
+        generation (stale tokens are skipped, and dropped when the table is rebuilt)."""
+        generation = self._next_generation
+        self._next_generation += 1
+        self._generation[req_id] = generation
+        token = (req_id, generation)
+        watch, generations = self._window_watch, self._generation
+        count = 0
+        for _, hashes in window:
+            for block_hash in watch.keys() & hashes:  # another live watcher: keep both
+                other = watch[block_hash]
+                if other[0] != req_id and generations.get(other[0]) == other[1]:
+                    self._window_more.setdefault(block_hash, []).append(other)
+            watch.update(zip(hashes, repeat(token)))
+            count += len(hashes)
+        self._window_count[req_id] = count
+        self._window_live += count
+        if len(watch) > 2 * self._window_live + 4096:
+            self._rebuild_window_watch()
+
+    def _rebuild_window_watch(self) -> None:
+        """Drop the retired tokens: the table from the live registrations only."""
+        self._window_watch.clear()
+        self._window_more.clear()
+        generations = self._generation
+        live = list(generations.items())
+        generations.clear()
+        self._window_live = 0
+        for req_id, _ in live:
+            growth = self._growth.get(req_id)
+            if growth is None:
+                continue
+            self._watch_window(req_id, growth[1])
 
     def _unwatch(self, req_id: str) -> None:
         growth = self._growth.get(req_id)
@@ -229,15 +348,17 @@ class RankedOrder(AdmissionOrder):
             return
         for grown in self._grown:
             grown.discard(req_id)
+        if self._generation.pop(req_id, None) is not None:  # its window tokens retire
+            self._window_live -= self._window_count.pop(req_id, 0)
         if growth is None:
             return
-        for watchers, part in zip(self._watchers, growth[:2], strict=True):
-            for _, block_hash in part:
-                watching = watchers.get(block_hash)
-                if watching is not None:
-                    watching.discard(req_id)
-                    if not watching:
-                        del watchers[block_hash]
+        watchers = self._watchers
+        for _, block_hash in growth[0]:
+            watching = watchers.get(block_hash)
+            if watching is not None:
+                watching.discard(req_id)
+                if not watching:
+                    del watchers[block_hash]
 
     def _note_new_hashes(self, probe: Probe, indexed: int) -> bool:
         """Mark the watchers of hashes indexed since the last ranking; False when the
@@ -250,21 +371,31 @@ class RankedOrder(AdmissionOrder):
         new_hashes = getattr(probe, "new_hashes", None)
         if new_hashes is None:
             self._watching = False
-            for watchers in self._watchers:
-                watchers.clear()
+            self._watchers.clear()
             for grown in self._grown:
                 grown.clear()
+            self._window_watch.clear()
+            self._window_more.clear()
+            self._generation.clear()
             return False
         self._marks, hashes = new_hashes(self._marks)
         if hashes is None:
             checked = self._checked
             self._grown[0].update(r for r in self._cached if checked.get(r) != indexed)
             return True
-        for watchers, grown, part in zip(self._watchers, self._grown, hashes, strict=True):
-            for block_hash in part:
-                watching = watchers.get(block_hash)
-                if watching is not None:
-                    grown.update(watching)
+        watchers, (full_grown, window_grown) = self._watchers, self._grown
+        for block_hash in hashes[0]:
+            watching = watchers.get(block_hash)
+            if watching is not None:
+                full_grown.update(watching)
+        watch, more, generations = self._window_watch, self._window_more, self._generation
+        for block_hash in hashes[1]:
+            token = watch.get(block_hash)
+            if token is not None and generations.get(token[0]) == token[1]:
+                window_grown.add(token[0])
+            for token in more.get(block_hash, ()):
+                if generations.get(token[0]) == token[1]:
+                    window_grown.add(token[0])
         return True
 
     def _may_grow(self, request: SchedRequest, hit: PrefixHit, probe: Probe, best: float,
@@ -287,7 +418,7 @@ class RankedOrder(AdmissionOrder):
         if self.potential(request, matched) <= best:
             return None
         self.num_window_checks += 1
-        return any(block_hash in index for index, block_hash in window)
+        return any(not index.keys().isdisjoint(hashes) for index, hashes in window)
 
     def _rank(self, candidates: Sequence[SchedRequest], probe: Probe,
               version: tuple[int, int]) -> list[tuple[float, int]]:
@@ -307,32 +438,49 @@ class RankedOrder(AdmissionOrder):
             ranked = [(-self.score(r, None), i) for i, r in enumerate(candidates)]
             heapq.heapify(ranked)
             return ranked
-        cached, scores_of, checked = self._cached, self._scores, self._checked
-        live, score = self.live_scores, self.score
+        scores_of, checked = self._scores, self._checked
         indexed = version[1]
         listed = self._note_new_hashes(probe, indexed)
-        held = self._held
-        scores: list[float] = []
-        stale: list[int] = []
-        for index, request in enumerate(candidates):
-            req_id = request.req_id
-            entry = cached.get(req_id)
-            if entry is None:
-                self._probe(request, probe, version)
-                scores.append(scores_of[req_id])
-                continue
-            if (not listed or req_id in held) and \
-                    checked.get(req_id, entry[0][1]) != indexed:
-                stale.append(index)
-            hit = entry[1]
-            scores.append(score(request, hit) if live and hit.num_tokens
-                          else scores_of[req_id])
+        # one Python-level pass over the (up to ``lookahead_requests``) candidates; the
+        # rest runs in C (map, zip, set intersections) or touches only the few new / hit /
+        # held / marked ones
+        ids = [r.req_id for r in candidates]
+        position = _Positions(ids)
+        known = list(map(scores_of.get, ids))
+        if None in known:
+            for index, score in enumerate(known):  # new ones: probed (checked now)
+                if score is None:
+                    self._probe(candidates[index], probe, version)
+        scores: list[float] = list(map(scores_of.__getitem__, ids))
+        # stale: something indexed since the last check; with watchers, only those whose
+        # growth check held at their probe are checked one by one
+        if not listed:
+            stale = [index for index, req_id in enumerate(ids) if checked[req_id] != indexed]
+        elif self._held:
+            stale = sorted(position[req_id] for req_id in self._held.intersection(ids)
+                           if checked[req_id] != indexed)
+        else:
+            stale = []
+        if self.live_scores and self._with_hit:  # hits with tokens: rescored on the pool
+            cached, rescore = self._cached, self.score
+            for req_id in self._with_hit.intersection(ids):
+                index = position[req_id]
+                scores[index] = rescore(candidates[index], cached[req_id][1])
         best = max(scores)  # before any growth probe, as the check one by one has it
         if listed:
-            self._regrow_marked(candidates, probe, version, scores, best)
+            self._regrow_marked(candidates, position, probe, version, scores, best)
         if stale:
             self._regrow_stale(candidates, probe, version, scores, stale, best)
-        ranked = [(-s, i) for i, s in enumerate(scores)]
+        # The heap holds every candidate with a positive score (a hit: ``_with_hit``) and
+        # the first one scoring 0; the other zeros (most candidates, usually) are only
+        # implied, in index order behind it: ``choose`` pushes the next one when the
+        # representative leaves 0. Scores of probing orders are never negative.
+        ranked = [(-scores[index], index)
+                  for index in map(position.__getitem__, self._with_hit.intersection(ids))]
+        self._scores_now = scores
+        self._zero = _index_of_zero(scores, 0)
+        if self._zero >= 0:
+            ranked.append((-0.0, self._zero))
         heapq.heapify(ranked)
         return ranked
 
@@ -342,9 +490,9 @@ class RankedOrder(AdmissionOrder):
             ceiling = self._ceilings[request.req_id] = self.ceiling(request)
         return ceiling
 
-    def _regrow_marked(self, candidates: Sequence[SchedRequest], probe: Probe,
-                       version: tuple[int, int], scores: list[float], best: float,
-                       ) -> None:
+    def _regrow_marked(self, candidates: Sequence[SchedRequest], position: _Positions,
+                       probe: Probe, version: tuple[int, int], scores: list[float],
+                       best: float) -> None:
         """The check one by one for the marked candidates (a watched hash entered an
         index since their probe): probe again those whose hit may have grown above
         ``best`` (``scores`` updated in place). Undecided ones stay marked for the next
@@ -357,12 +505,14 @@ class RankedOrder(AdmissionOrder):
         full_grown, window_grown = self._grown
         if not (full_grown or window_grown):
             return
-        position = {r.req_id: i for i, r in enumerate(candidates)}
         checked, indexed, held = self._checked, version[1], self._held
-        for req_id in [*full_grown, *window_grown]:
-            index = position.get(req_id, -1)
-            if index < 0 or req_id in held or req_id not in self._cached:
+        for req_id in [*full_grown.intersection(position.ids),
+                       *window_grown.intersection(position.ids)]:
+            if req_id in held or req_id not in self._cached:
                 continue
+            index = position[req_id]
+            if checked[req_id] == indexed:
+                continue  # nothing indexed since its last probe or check: stays marked
             request = candidates[index]
             if self._ceiling_of(request) <= best:
                 continue  # stays marked: looked at again at the next ranking
@@ -414,6 +564,10 @@ class RankedOrder(AdmissionOrder):
                 return request, hit
             hit = self._probe(request, probe, version)
             entry = (-self._scores[request.req_id], index)
+            if index == self._zero and entry[0]:  # the zeros' representative grew
+                self._zero = _index_of_zero(self._scores_now, index + 1)
+                if self._zero >= 0:
+                    heapq.heappush(ranked, (-0.0, self._zero))  # below the top: a heap
             if len(ranked) == 1 or entry <= min(ranked[1:3]):
                 ranked[0] = entry  # still at most both children: a heap
                 return request, hit
@@ -427,6 +581,8 @@ class RankedOrder(AdmissionOrder):
         self._growth.pop(req_id, None)
         self._scores.pop(req_id, None)
         self._ceilings.pop(req_id, None)
+        self._with_hit.discard(req_id)
+        self._growth_key.pop(req_id, None)
 
 
 class LongestHitOrder(RankedOrder):
@@ -580,6 +736,8 @@ class StarvationGuard:
         self.max_admissions = max(max_admissions, free_admissions)
         self._due_for: Sequence[SchedRequest] | None = None
         self._due: SchedRequest | None = None
+        self._waiting_due: set[str] = set()
+        """Ids of the waiting requests that are due (none: ``due`` scans nothing)."""
 
     def is_due(self, request: SchedRequest) -> bool:
         passes = request.num_overtaken
@@ -589,21 +747,34 @@ class StarvationGuard:
 
     def due(self, candidates: Sequence[SchedRequest]) -> SchedRequest | None:
         """The first due candidate (cached per candidate list: counts change only by
-        admissions, which make a new list)."""
+        admissions, which make a new list; no scan while no waiting request is due)."""
         if candidates is not self._due_for:
             self._due_for = candidates
-            self._due = next((r for r in candidates if self.is_due(r)), None)
+            self._due = None if not self._waiting_due else next(
+                (r for r in candidates if self.is_due(r)), None)
         return self._due
+
+    def on_requeued(self, request: SchedRequest) -> None:
+        """``request`` (admitted before) is waiting again (preempted): due again if its
+        counts say so."""
+        if self.is_due(request):
+            self._waiting_due.add(request.req_id)
 
     def on_admitted(self, candidates: Sequence[SchedRequest], admitted: object,
                     new_tokens: int) -> None:
         """``admitted`` (computing ``new_tokens`` prompt tokens) passed the candidates
         ahead of it."""
+        waiting_due = self._waiting_due
+        admitted_id = getattr(admitted, "req_id", None)
+        if waiting_due and isinstance(admitted_id, str):
+            waiting_due.discard(admitted_id)
         for request in candidates:
             if request is admitted:
                 return
             request.num_overtaken += 1
             request.overtaken_tokens += new_tokens
+            if self.is_due(request):
+                waiting_due.add(request.req_id)
 
 
 ORDERS: dict[str, type[AdmissionOrder]] = {

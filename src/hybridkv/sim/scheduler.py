@@ -253,6 +253,7 @@ class Scheduler:
     def _preempt(self, request: SchedRequest) -> None:
         self.manager.free(request.req_id)
         self.waiting.appendleft(request)
+        self.guard.on_requeued(request)
         self.num_preemptions += 1
         self._queue_version += 1
 
@@ -282,6 +283,20 @@ class Scheduler:
             return None
         result: tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...] | None = probes(
             request.req_id, num_tokens, matched_tokens)
+        return result
+
+    def growth_probe_parts(self, request: SchedRequest, num_tokens: int, matched_tokens: int,
+                           ) -> tuple[tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...],
+                                      tuple[tuple[Mapping[BlockHash, Block],
+                                                  tuple[BlockHash, ...]], ...]] | None:
+        """``KVCacheManager.growth_probe_parts`` (a manager without it: ``None``,
+        always look again)."""
+        parts = getattr(self.manager, "growth_probe_parts", None)
+        if parts is None:
+            return None
+        result: tuple[tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...],
+                      tuple[tuple[Mapping[BlockHash, Block], tuple[BlockHash, ...]], ...]] | \
+            None = parts(request.req_id, num_tokens, matched_tokens)
         return result
 
     @property
