@@ -66,17 +66,17 @@ from __future__ import annotations
 import heapq
 import struct
 from array import array
-from collections import OrderedDict
-from collections.abc import Container, Iterator, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import compress, repeat
 
 import xxhash
 
 from hybridkv.config import CacheConfig
 from hybridkv.hashing import encode_token_ids
 from hybridkv.sim.ceiling import HitTotals
-from hybridkv.sim.trace import Trace, TraceRequest, expand_prompt
+from hybridkv.sim.trace import Trace, TraceRequest, common_prefix_length, expand_prompt
 from hybridkv.specs import FullAttentionSpec
 
 _NEVER = 1 << 62
@@ -89,13 +89,18 @@ def _hash_pair(parent: int, value: int) -> int:
     return int(xxhash.xxh3_64_intdigest(struct.pack("<QQ", parent, value & (2**64 - 1))))
 
 
+def _keyed_by_block_ids(request: TraceRequest) -> bool:
+    return request.token_ids is None and bool(request.trace_block_size) \
+        and not request.token_id_ranges
+
+
 def block_keys(request: TraceRequest, index: int, block_size: int) -> array[int]:
     """Chained keys of the prompt's full ``block_size``-token blocks (equal key ⇔ equal
     prefix, up to 64-bit collisions). Block-id traces are keyed from their ids without
     expanding tokens."""
     num_blocks = request.input_length // block_size
-    if request.token_ids is None and request.trace_block_size and not request.token_id_ranges:
-        return _keys_from_block_ids(request, index, block_size, num_blocks)
+    if _keyed_by_block_ids(request):
+        return _keys_from_block_ids(request, index, block_size, num_blocks).keys
     tokens = expand_prompt(request, index)
     encoded = encode_token_ids(tokens[: num_blocks * block_size])
     width = 8 * block_size
@@ -107,23 +112,49 @@ def block_keys(request: TraceRequest, index: int, block_size: int) -> array[int]
     return keys
 
 
+@dataclass(frozen=True, slots=True)
+class _ChainedKeys:
+    """A block-id request's keys and what the next prompt of its session can reuse: its
+    trace block ids, their chained keys, and how many of its keys come from them."""
+
+    block_ids: Sequence[int]
+    chain: list[int]
+    keys: array[int]
+    num_covered: int
+    trace_block_size: int
+    block_size: int
+
+
 def _keys_from_block_ids(request: TraceRequest, index: int, block_size: int,
-                         num_blocks: int) -> array[int]:
+                         num_blocks: int, previous: _ChainedKeys | None = None) -> _ChainedKeys:
     """Engine block ``i`` ends at token ``end = (i + 1) * block_size`` inside trace block
     ``(end - 1) // size``; its key mixes that trace block's chained key with ``end``
-    (e.g. WEKA's 64-token trace blocks hold four 16-token blocks: ends 16, 32, 48, 64)."""
+    (e.g. WEKA's 64-token trace blocks hold four 16-token blocks: ends 16, 32, 48, 64).
+
+    With ``previous`` (the session's latest prompt), the chain of the trace blocks the two
+    share from the start and the keys inside them are copied instead of rehashed: a
+    conversation's next turn resends the whole history (WEKA: ~1,800 trace blocks per
+    prompt, nearly all shared with the previous turn)."""
     size = request.trace_block_size
-    chain: list[int] = []
-    key = 0
-    for block_id in request.block_ids:
+    ids = request.block_ids
+    num_covered = min(num_blocks, len(ids) * size // block_size)
+    first = reused = 0
+    if previous is not None and previous.trace_block_size == size \
+            and previous.block_size == block_size:
+        first = common_prefix_length(previous.block_ids, ids)
+        # key i reads chain[((i + 1) * block_size - 1) // size]: shared while i < this
+        reused = min(previous.num_covered, num_covered, first * size // block_size)
+    chain = previous.chain[:first] if first and previous is not None else []
+    key = chain[-1] if chain else 0
+    for block_id in ids[first:]:
         key = _hash_pair(key, block_id)
         chain.append(key)
-    num_covered = min(num_blocks, len(request.block_ids) * size // block_size)
-    keys = array("Q", [(chain[((i + 1) * block_size - 1) // size] ^ ((i + 1) * _GOLDEN))
-                       & _MASK for i in range(num_covered)])
+    keys = previous.keys[:reused] if reused and previous is not None else array("Q")
+    keys.extend([(chain[((i + 1) * block_size - 1) // size] ^ ((i + 1) * _GOLDEN)) & _MASK
+                 for i in range(reused, num_covered)])
     unique = _hash_pair(1 << 63, index)  # fill tokens past the trace blocks: request-unique
     keys.extend(_hash_pair(unique, (i + 1) * block_size) for i in range(num_covered, num_blocks))
-    return keys
+    return _ChainedKeys(ids, chain, keys, num_covered, size, block_size)
 
 
 def _num_leading_cached(keys: Sequence[int], cached: Container[int]) -> int:
@@ -149,7 +180,7 @@ def _next_uses(keyed: Sequence[array[int]]) -> list[array[int]]:
     for i in range(len(keyed) - 1, -1, -1):
         keys = keyed[i]
         get = last_seen.get
-        result[i] = array("q", [get(k, _NEVER) for k in keys])
+        result[i] = array("q", map(get, keys, repeat(_NEVER)))
         last_seen.update(dict.fromkeys(keys, i))
     return result
 
@@ -321,6 +352,39 @@ def unit_keys(request: TraceRequest, index: int, unit_tokens: int) -> array[int]
     return keys
 
 
+def unit_keys_by_index(trace: Trace, indices: Iterable[int],
+                       unit_tokens: int) -> dict[int, array[int]]:
+    """``unit_keys`` of the requests at ``indices`` (in that order), a block-id request
+    reusing the keys its session's previous prompt shares with it from the start.
+
+    >>> from hybridkv.sim.trace import TraceRequest
+    >>> reqs = (TraceRequest("a", 64, 1, block_ids=(1, 2), trace_block_size=32, session_id="s"),
+    ...         TraceRequest("b", 96, 1, block_ids=(1, 2, 3), trace_block_size=32,
+    ...                      session_id="s"))
+    >>> keys = unit_keys_by_index(Trace("t", reqs), [0, 1], 16)
+    >>> [len(keys[0]), len(keys[1])], keys[1][:4] == keys[0]
+    ([4, 6], True)
+    >>> keys[1] == unit_keys(reqs[1], 1, 16)   # the same keys as without reuse
+    True
+    """
+    requests = trace.requests
+    latest: dict[str, _ChainedKeys] = {}
+    keys_of: dict[int, array[int]] = {}
+    for index in indices:
+        request = requests[index]
+        if request.output_token_ids or not _keyed_by_block_ids(request):
+            keys_of[index] = unit_keys(request, index, unit_tokens)
+            continue
+        session = request.session_id
+        chained = _keys_from_block_ids(request, index, unit_tokens,
+                                       request.input_length // unit_tokens,
+                                       None if session is None else latest.get(session))
+        if session is not None:
+            latest[session] = chained
+        keys_of[index] = chained.keys
+    return keys_of
+
+
 _INSERT, _READ = 0, 1
 
 
@@ -340,6 +404,8 @@ class _Op:
     pin: int
     update_from: int = 0
     uses: array[int] = field(default_factory=lambda: _EMPTY)
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
+    """``_runs_all(uses)``, computed once for every cache walking the op."""
 
 
 def _unit_ops(trace: Trace, log: AdmissionLog, unit_tokens: int) -> list[_Op]:
@@ -361,9 +427,7 @@ def _unit_ops(trace: Trace, log: AdmissionLog, unit_tokens: int) -> list[_Op]:
     [1, 1, 0, 0]
     """
     requests = trace.requests
-    keys_of: dict[int, array[int]] = {}
-    for index in dict.fromkeys(log.request_indices):
-        keys_of[index] = unit_keys(requests[index], index, unit_tokens)
+    keys_of = unit_keys_by_index(trace, dict.fromkeys(log.request_indices), unit_tokens)
     held: dict[int, int] = {}
     ops: list[_Op] = []
     g = 0
@@ -406,25 +470,35 @@ def _attach_next_reads(ops: Sequence[_Op]) -> None:
         keys = op.keys[op.lo : op.hi]
         get = last_seen.get
         if op.kind == _INSERT:
-            op.uses = array("q", [get(k, _NEVER) for k in keys])
+            op.uses = array("q", map(get, keys, repeat(_NEVER)))
             if op.update_from:  # the read just before overwrites these: skip the NEVERs
                 keys = op.keys[op.lo + op.update_from : op.hi]
             last_seen.update(dict.fromkeys(keys, _NEVER))
         else:
-            op.uses = array("q", [get(k, _NEVER) for k in op.keys[op.update_from : op.hi]])
+            op.uses = array("q", map(get, op.keys[op.update_from : op.hi], repeat(_NEVER)))
             last_seen.update(dict.fromkeys(keys, op.event))
+        op.runs = _runs_all(op.uses)
 
 
-def _runs_all(uses: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+def _runs_all(uses: array[int]) -> list[tuple[int, int, int]]:
     """Like ``_runs`` but keeping never-used runs. E.g. ``[5, NEVER]`` → ``(0, 1, 5),
-    (1, 2, NEVER)``."""
-    start = 0
+    (1, 2, NEVER)``. One C-level count when every use is equal (most occurrences: a
+    prompt's units all reread by the next turn, or all re-inserted by its own chunks).
+
+    >>> _runs_all(array("q", [5, 5, 7])), _runs_all(array("q", [3, 3]))
+    ([(0, 2, 5), (2, 3, 7)], [(0, 2, 3)])
+    """
     n = len(uses)
     if n == 0:
-        return
+        return []
+    if uses.count(uses[0]) == n:
+        return [(0, n, uses[0])]
+    runs = []
+    start = 0
     for depth in [d for d in range(1, n) if uses[d] != uses[d - 1]] + [n]:
-        yield start, depth, uses[start]
+        runs.append((start, depth, uses[start]))
         start = depth
+    return runs
 
 
 def unit_optimum(trace: Trace, log: AdmissionLog, capacity_units: Sequence[int],
@@ -445,10 +519,19 @@ def unit_optimum(trace: Trace, log: AdmissionLog, capacity_units: Sequence[int],
     unit's release (every holder holds a prefix, so the shallower units are pinned at
     least as long).
     """
+    cache = _UnitCache(pin_held)
+    prompt_tokens = _walk(trace, log, unit_tokens, [(cache, capacity_units)])
+    return HitTotals(prompt_tokens, cache.hit_units * unit_tokens)
+
+
+def _walk(trace: Trace, log: AdmissionLog, unit_tokens: int,
+          caches: Sequence[tuple[_UnitCache, Sequence[int]]]) -> int:
+    """Feed the log's occurrences to every (cache, capacities) in lockstep — one pass
+    over the occurrences and their next reads, however many bounds walk them; returns
+    the prompt tokens of the first admissions."""
     requests = trace.requests
     ops = _unit_ops(trace, log, unit_tokens)
     _attach_next_reads(ops)
-    cache = _UnitCache(pin_held)
     num_ops = len(ops)
     i = 0
     for e in range(len(log)):
@@ -456,17 +539,18 @@ def unit_optimum(trace: Trace, log: AdmissionLog, capacity_units: Sequence[int],
             op = ops[i]
             ops[i] = _OP_DONE  # the runs keep what is still needed
             i += 1
-            if op.kind == _READ:
-                cache.read(op, e)
-            else:
-                cache.insert(op, e)
-        cache.release(e)
-        if e % 1024 == 1023:
-            cache.drop_stale(e)
-        cache.evict(e, max(0, capacity_units[e]))
-    prompt_tokens = sum(requests[i].input_length
-                        for i, r in zip(log.request_indices, log.reads, strict=True) if r)
-    return HitTotals(prompt_tokens, cache.hit_units * unit_tokens)
+            for cache, _ in caches:
+                if op.kind == _READ:
+                    cache.read(op, e)
+                else:
+                    cache.insert(op, e)
+        for cache, capacity_units in caches:
+            cache.release(e)
+            if e % 1024 == 1023:
+                cache.drop_stale(e)
+            cache.evict(e, max(0, capacity_units[e]))
+    return sum(requests[i].input_length
+               for i, r in zip(log.request_indices, log.reads, strict=True) if r)
 
 
 class _UnitCache:
@@ -490,27 +574,45 @@ class _UnitCache:
         heapq.heappush(self.heap, (-use, 1 - end, self.next_run))
         self.next_run += 1
 
-    def _keep_or_drop(self, keys: array[int], depth: int, e: int) -> None:
-        """A unit whose next use is never: gone now unless some admission holds it."""
-        if self.pinned.get(keys[depth], -1) < e:
-            del self.cached[keys[depth]]
-        else:
-            self.push(keys, depth, depth + 1, _NEVER)
+    def _drop_never(self, keys: array[int], start: int, end: int,
+                    present: Sequence[int] | None, e: int) -> None:
+        """Units ``keys[start:end]`` (only the ``present`` ones when given: the cached
+        ones) whose next use is never: gone now unless some admission holds them; the held
+        ones stay, each its own run (in depth order). The deletes go in one C-level pass
+        (e.g. a prompt read whose units its own later chunks re-insert: ~6,000 per WEKA
+        prompt)."""
+        cached, pinned = self.cached, self.pinned
+        ks: Sequence[int] = keys[start:end]
+        if present is not None:
+            ks = list(compress(ks, present))
+        if pinned:
+            untils = list(map(pinned.get, ks, repeat(-1)))
+            if untils and max(untils) >= e:
+                depths = range(start, end) if present is None else \
+                    list(compress(range(start, end), present))
+                for depth, key, until in zip(depths, ks, untils, strict=True):
+                    if until >= e:
+                        cached[key] = _NEVER
+                        self.push(keys, depth, depth + 1, _NEVER)
+                ks = [k for k, until in zip(ks, untils, strict=True) if until < e]
+        deque(map(cached.__delitem__, ks), maxlen=0)
 
     def read(self, op: _Op, e: int) -> None:
         cached = self.cached
         if not cached:
             return
-        keys = op.keys
-        self.hit_units += sum(map(cached.__contains__, keys[op.lo : op.hi]))
-        for depth, use in enumerate(op.uses, op.update_from):  # hits no insert follows
-            key = keys[depth]
-            if key in cached:
-                cached[key] = use
-                if use == _NEVER:
-                    self._keep_or_drop(keys, depth, e)
-                else:
-                    self.push(keys, depth, depth + 1, use)
+        keys, lo, first = op.keys, op.lo, op.update_from
+        present = list(map(cached.__contains__, keys[lo : op.hi]))
+        self.hit_units += sum(present)
+        # op.runs: of the uses of depths first.. (hits no insert of this event follows)
+        for start, end, use in op.runs:
+            flags = present[first + start - lo : first + end - lo]
+            if use == _NEVER:
+                self._drop_never(keys, first + start, first + end, flags, e)
+                continue
+            for depth in compress(range(first + start, first + end), flags):
+                cached[keys[depth]] = use
+                self.push(keys, depth, depth + 1, use)
 
     def insert(self, op: _Op, e: int) -> None:
         keys, lo, uses = op.keys, op.lo, op.uses
@@ -523,15 +625,14 @@ class _UnitCache:
                 pinned.update((k, max(old, pin)) for k, old in zip(ks, olds, strict=True))
             else:
                 pinned.update(dict.fromkeys(ks, pin))
-            for start, end, use in _runs_all(uses):
+            for start, end, use in op.runs:
                 self.push(keys, lo + start, lo + end, use)
             return
-        for start, end, use in _runs(uses):
-            self.push(keys, lo + start, lo + end, use)
-        if _NEVER in uses:
-            for depth, use in enumerate(uses, lo):
-                if use == _NEVER:
-                    self._keep_or_drop(keys, depth, e)
+        for start, end, use in op.runs:
+            if use == _NEVER:  # its held units' runs may go before later runs: other uses
+                self._drop_never(keys, lo + start, lo + end, None, e)
+            else:
+                self.push(keys, lo + start, lo + end, use)
 
     def release(self, e: int) -> None:
         """Runs that waited for a release at ``e - 1`` compete again."""
@@ -609,6 +710,28 @@ def fa_optimum(trace: Trace, log: AdmissionLog, shape: BoundShape) -> HitTotals:
     """``bound_fa``: full-attention blocks only, the whole pool, the log's order, nothing
     pinned."""
     return unit_optimum(trace, log, [shape.fa_capacity_units] * len(log), shape.unit_tokens)
+
+
+def both_optima(trace: Trace, log: AdmissionLog,
+                shape: BoundShape) -> tuple[HitTotals, HitTotals]:
+    """``(hybrid_optimum, fa_optimum)`` in one lockstep pass: the two walk the same
+    occurrences (one ``_unit_ops`` and one next-read pass instead of two; the key
+    hashing and next-read pass were about half of each bound's time on WEKA).
+
+    >>> from hybridkv.sim.trace import TraceRequest
+    >>> reqs = tuple(TraceRequest(f"r{i}", 9, 1, block_ids=(ids,), trace_block_size=8)
+    ...              for i, ids in enumerate([1, 2, 1]))
+    >>> log = AdmissionLog.in_trace_order(Trace("t", reqs))
+    >>> shape = BoundShape(num_blocks=3, unit_tokens=4, unit_blocks=1, fa_block_size=4)
+    >>> both_optima(Trace("t", reqs), log, shape)   # 2 units: r2 rereads both of r0's
+    (HitTotals(prompt_tokens=27, hit_tokens=8), HitTotals(prompt_tokens=27, hit_tokens=8))
+    """
+    hybrid, fa = _UnitCache(pin_held=True), _UnitCache(pin_held=False)
+    capacities = [shape.hybrid_capacity_units(h) for h in log.held_blocks]
+    prompt_tokens = _walk(trace, log, shape.unit_tokens,
+                          [(hybrid, capacities), (fa, [shape.fa_capacity_units] * len(log))])
+    return (HitTotals(prompt_tokens, hybrid.hit_units * shape.unit_tokens),
+            HitTotals(prompt_tokens, fa.hit_units * shape.unit_tokens))
 
 
 def hybrid_optimum(trace: Trace, log: AdmissionLog, shape: BoundShape) -> HitTotals:

@@ -30,19 +30,28 @@ from hybridkv.managers.recurrent import parse_checkpoint_policy
 from hybridkv.observe import open_observers, parse_metrics_target
 from hybridkv.policies import CORE_POLICIES, make_retention_policy, split_policy_name
 from hybridkv.sim.admission import parse_admissions
-from hybridkv.sim.bound import offline_optimum
+from hybridkv.sim.bound import AdmissionLog, BoundShape, offline_optimum
+from hybridkv.sim.bound_share import BoundBroker, BoundKeys, BoundPair, shared_bounds
 from hybridkv.sim.ceiling import infinite_cache_ceiling
 from hybridkv.sim.limits import check_pool_fits
 from hybridkv.sim.loaders import load_trace
 from hybridkv.sim.model import ModelShape, load_model, num_blocks_for_memory, parse_size
 from hybridkv.sim.outputs import StagedOutputs, check_output_paths
-from hybridkv.sim.replay import ProgressFn, ReplaySettings, RunResult, attach_bounds, replay
+from hybridkv.sim.replay import (
+    ProgressFn,
+    ReplaySettings,
+    RunResult,
+    attach_bounds,
+    replay,
+    set_bounds,
+)
 from hybridkv.sim.report import (
     PolicyRun,
     Report,
     plot_policies,
     render_table,
 )
+from hybridkv.sim.task_feed import TaskFeed
 from hybridkv.sim.trace import Trace
 from hybridkv.sim.workloads import (
     WORKLOAD_DEFAULTS,
@@ -291,9 +300,19 @@ def _progress(enabled: bool) -> Iterator[Progress | None]:
 
 def run_policy(source: Source, config: CacheConfig, policy: str, settings: ReplaySettings,
                progress: Progress | None) -> PolicyRun:
-    """Replay every scenario of ``source`` under ``policy``."""
-    fractions: dict[str, RunResult] = {}
-    total: RunResult | None = None
+    """Replay every scenario of ``source`` under ``policy``, with its bounds (memoized per
+    distinct admission log: ``hybridkv.sim.bound_share``)."""
+    results = replay_policy(source, config, policy, settings, progress)
+    for key, result in results.items():
+        attach_bounds(result, source.scenarios[key], config)
+    return policy_run(source, results)
+
+
+def replay_policy(source: Source, config: CacheConfig, policy: str, settings: ReplaySettings,
+                  progress: Progress | None) -> dict[str, RunResult]:
+    """Replay every scenario of ``source`` under ``policy``; each result keeps its
+    admission log (no bounds yet)."""
+    results: dict[str, RunResult] = {}
     for key, trace in source.scenarios.items():
         label = f"{policy} f={key}" if key else policy
         if settings.admission != "fcfs":
@@ -302,18 +321,41 @@ def run_policy(source: Source, config: CacheConfig, policy: str, settings: Repla
         if progress is not None:
             task = progress.add_task(label, total=len(trace.requests))
             callback = _throttled(progress, task)
-        result = replay(trace, config, policy, settings, callback)
-        attach_bounds(result, trace, config)
+        results[key] = replay(trace, config, policy, settings, callback)
         if progress is not None:
             progress.remove_task(task)
-        if source.is_multi_scenario:
-            fractions[key] = result
-            measured = _replay_phase_only(result)
-            total = measured if total is None else _merged(total, measured)
-        else:
-            total = result
+    return results
+
+
+def policy_run(source: Source, results: dict[str, RunResult]) -> PolicyRun:
+    """One policy's run from its scenarios' results (bounds attached): the trace's result,
+    or the microbenchmark's fractions and their merged replay phases."""
+    if not source.is_multi_scenario:
+        return PolicyRun(results[""], {})
+    total: RunResult | None = None
+    for result in results.values():
+        measured = _replay_phase_only(result)
+        total = measured if total is None else _merged(total, measured)
     assert total is not None
-    return PolicyRun(total, fractions)
+    return PolicyRun(total, dict(results))
+
+
+def log_keys(source: Source, config: CacheConfig,
+             results: dict[str, RunResult]) -> dict[str, BoundKeys]:
+    """``BoundKeys`` of each scenario's admission log (none without full attention)."""
+    shape = BoundShape.of(config)
+    if shape is None:
+        return {}
+    return {key: BoundKeys.of(source.scenarios[key], result.log, shape)
+            for key, result in results.items() if result.log is not None}
+
+
+def scenario_bounds(source: Source, config: CacheConfig, scenario: str, log: AdmissionLog,
+                    keys: BoundKeys) -> BoundPair:
+    """The bound task of a parallel run: ``(bound, bound_fa)`` of one distinct log."""
+    shape = BoundShape.of(config)
+    assert shape is not None
+    return shared_bounds(source.scenarios[scenario], log, shape, keys)
 
 
 _WORK: tuple[Source, CacheConfig, ReplaySettings] | None = None
@@ -324,6 +366,24 @@ _LIMITS = ("", "")
 
 Task = tuple[str, str]
 """(policy, admission order) of one replay."""
+
+
+@dataclass(frozen=True, slots=True)
+class BoundTask:
+    """Worker task of a parallel run: the bounds of one distinct admission log."""
+
+    scenario: str
+    log: AdmissionLog
+    keys: BoundKeys
+
+
+@dataclass(slots=True)
+class Replayed:
+    """A worker's replay of one policy: each scenario's result with its log, and the
+    logs' ``BoundKeys`` (the parent starts one ``BoundTask`` per distinct key)."""
+
+    results: dict[str, RunResult]
+    keys: dict[str, BoundKeys]
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,12 +435,22 @@ def _exit_with_parent(parent_pid: int) -> None:  # pragma: no cover - non-Linux 
     os._exit(1)
 
 
-def _run_in_worker(task: Task) -> PolicyRun | Limits:
+def _run_in_worker(item: tuple[int, Task] | BoundTask) -> Replayed | Limits | BoundPair:
+    """One task of a parallel run: a bound, the limits, or a replay (``(position, task)``;
+    its results keep only the logs that have ``BoundKeys``)."""
     assert _WORK is not None
     source, config, settings = _WORK
+    if isinstance(item, BoundTask):
+        return scenario_bounds(source, config, item.scenario, item.log, item.keys)
+    task = item[1]
     if task == _LIMITS:
         return source_limits(source, config)
-    return run_policy(source, config, task[0], replace(settings, admission=task[1]), None)
+    results = replay_policy(source, config, task[0], replace(settings, admission=task[1]), None)
+    keys = log_keys(source, config, results)
+    for scenario, result in results.items():
+        if scenario not in keys:
+            result.log = None
+    return Replayed(results, keys)
 
 
 def _dispatch_order(tasks: Sequence[Task]) -> list[int]:
@@ -415,6 +485,15 @@ def run_policies(source: Source, config: CacheConfig, policies: Sequence[str],
         with _progress(show_progress) as progress:
             return limits, [run_policy(source, config, p, replace(settings, admission=a),
                                        progress) for p, a in all_tasks]
+    return _run_parallel(source, config, settings, all_tasks, jobs, show_progress)
+
+
+def _run_parallel(source: Source, config: CacheConfig, settings: ReplaySettings,
+                  all_tasks: Sequence[Task], jobs: int,
+                  show_progress: bool) -> tuple[Limits, list[PolicyRun]]:
+    """``run_policies`` on ``jobs`` forked processes: the replays longest first, the limits
+    last, and one bound task per distinct admission log, started before any replay not
+    begun yet (``BoundKeys``: policies that logged the same admissions share it)."""
     global _WORK  # noqa: PLW0603 - handed to forked workers without pickling the trace
     _WORK = (source, config, settings)
     try:
@@ -426,20 +505,50 @@ def run_policies(source: Source, config: CacheConfig, policies: Sequence[str],
             task = None if progress is None else progress.add_task(
                 f"{len(all_tasks)} replays on {jobs} processes", total=len(all_tasks) + 1)
             tasks = [*all_tasks, _LIMITS]
-            results: dict[int, PolicyRun | Limits] = {}
-            order = _dispatch_order(tasks)
-            for position, result in zip(order, pool.imap(_run_in_worker,
-                                                          [tasks[i] for i in order]),
-                                        strict=True):
-                results[position] = result
-                if progress is not None and task is not None:
+            feed: TaskFeed[tuple[int, Task] | BoundTask, Replayed | Limits | BoundPair] = \
+                TaskFeed(pool, _run_in_worker, jobs)
+            for i in _dispatch_order(tasks):
+                feed.add((i, tasks[i]))
+            computed: Limits | None = None
+            replayed: dict[int, Replayed] = {}
+            runs: dict[int, PolicyRun] = {}
+            broker: BoundBroker[tuple[int, str]] = BoundBroker()
+            for done, outcome in feed:
+                if isinstance(done, BoundTask):
+                    assert isinstance(outcome, tuple)
+                    for index, scenario in broker.resolve(done.keys, outcome):
+                        set_bounds(replayed[index].results[scenario], outcome)
+                        _finish(source, replayed, runs, index)
+                elif isinstance(outcome, Limits):
+                    computed = outcome
+                else:
+                    assert isinstance(outcome, Replayed)
+                    index = done[0]
+                    replayed[index] = outcome
+                    for scenario, keys in outcome.keys.items():
+                        result = outcome.results[scenario]
+                        if keys in broker.known:
+                            set_bounds(result, broker.known[keys])
+                        elif broker.wait(keys, (index, scenario)):
+                            assert result.log is not None
+                            feed.add(BoundTask(scenario, result.log, keys), first=True)
+                    _finish(source, replayed, runs, index)
+                if progress is not None and task is not None and not isinstance(done, BoundTask):
                     progress.advance(task)
-        computed = results.pop(len(all_tasks))
-        assert isinstance(computed, Limits)
-        runs = [results[i] for i in range(len(all_tasks))]
-        return computed, [run for run in runs if isinstance(run, PolicyRun)]
+        assert computed is not None and len(runs) == len(all_tasks)
+        return computed, [runs[i] for i in range(len(all_tasks))]
     finally:
         _WORK = None
+
+
+def _finish(source: Source, replayed: dict[int, Replayed], runs: dict[int, PolicyRun],
+            index: int) -> None:
+    """Turn replay ``index`` into its ``PolicyRun`` once every scenario has its bounds
+    (a scenario without full attention never had a log)."""
+    results = replayed[index].results
+    if all(result.log is None for result in results.values()):
+        del replayed[index]
+        runs[index] = policy_run(source, results)
 
 
 def _throttled(progress: Progress, task: object) -> ProgressFn:

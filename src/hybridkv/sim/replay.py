@@ -19,13 +19,15 @@ from hybridkv.config import CacheConfig
 from hybridkv.errors import HybridKVError, InvariantViolation, PoolTooSmallError
 from hybridkv.hashing import BlockHasher
 from hybridkv.ids import BlockHash
-from hybridkv.sim.bound import AdmissionLog, BoundShape, fa_optimum, hybrid_optimum
+from hybridkv.sim.bound import AdmissionLog, BoundShape
+from hybridkv.sim.bound_share import shared_bounds
 from hybridkv.sim.misses import MissCauses, ObservedManager
 from hybridkv.sim.scheduler import SchedRequest, Scheduler
 from hybridkv.sim.trace import (
     OUTPUT_TOKEN_BASE,
     Trace,
     TraceRequest,
+    common_prefix_length,
     expand_prompt,
     prompt_slice,
 )
@@ -300,28 +302,6 @@ class _PromptHasher:
         return hashes
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of ``a`` and ``b`` (slice comparisons, no
-    per-element Python loop).
-
-    >>> common_prefix_length((1, 2, 3, 4), (1, 2, 9)), common_prefix_length((), (1,))
-    (2, 0)
-    >>> common_prefix_length((5, 6), (5, 6, 7))
-    2
-    """
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 class OutputSampler:
     """Deterministic "sampling": predetermined outputs, else unique ids counted up from
     ``first_id``.
@@ -455,11 +435,18 @@ def no_progress_error(trace: Trace, policy: str, config: CacheConfig, manager: K
 def attach_bounds(result: RunResult, trace: Trace, config: CacheConfig) -> None:
     """Compute ``bound`` and ``bound_fa`` for the admissions ``result`` logged (its
     ``bound_hit_tokens`` / ``bound_fa_hit_tokens``; ``None`` without full attention), then
-    drop the log. Costs about two full-attention Belady passes over the trace."""
+    drop the log. One lockstep pass of both over the log's occurrences, once per process
+    per distinct log (``hybridkv.sim.bound_share``: another policy that logged the same
+    admissions gets the memoized pair)."""
     shape = BoundShape.of(config)
     if shape is not None and result.log is not None:
-        result.bound_hit_tokens = hybrid_optimum(trace, result.log, shape).hit_tokens
-        result.bound_fa_hit_tokens = fa_optimum(trace, result.log, shape).hit_tokens
+        set_bounds(result, shared_bounds(trace, result.log, shape))
+    result.log = None
+
+
+def set_bounds(result: RunResult, pair: tuple[int, int]) -> None:
+    """Store a ``(bound, bound_fa)`` hit-token pair in ``result`` and drop its log."""
+    result.bound_hit_tokens, result.bound_fa_hit_tokens = pair
     result.log = None
 
 

@@ -2,9 +2,13 @@
 each cell's identity (its key) and its computation.
 
 A cell is one replay: one source (trace or workload) on one model with one pool size,
-one policy and one admission order. ``compute_cell`` replays it and returns its row
-(hit rate, ``bound``, ``bound_fa``, ``ceiling``, miss causes, timings); it is a plain
-top-level function of picklable values, so a forked ``--jobs`` worker and a Ray task run
+one policy and one admission order. ``replay_cell`` replays it and returns its results
+with their admission logs' ``BoundKeys``; ``cell_bounds`` computes the bounds of one
+distinct log (cells whose policies logged the same admissions share that task:
+``hybridkv.sim.bound_share``); ``cell_row`` then gives the row (hit rate, ``bound``,
+``bound_fa``, ``ceiling``, miss causes, timings). ``compute_cell`` does all three in one
+process (the serial sweep; its bounds are memoized per process). They are plain
+top-level functions of picklable values, so a forked ``--jobs`` worker and a Ray task run
 the same code (``hybridkv.sim.sweep_exec``, ``hybridkv.sim.sweep_ray``).
 
 The cell key (``cell_key``) names everything the row depends on, so that a stored row is
@@ -43,10 +47,19 @@ from rich.progress import Progress
 
 import hybridkv
 from hybridkv.errors import PoolTooSmallError
-from hybridkv.sim.commands import Source, check_pool_holds_requests, run_policy, source_ceiling
+from hybridkv.sim.bound import AdmissionLog, BoundShape
+from hybridkv.sim.bound_share import BoundKeys, BoundPair, shared_bounds
+from hybridkv.sim.commands import (
+    Source,
+    check_pool_holds_requests,
+    log_keys,
+    policy_run,
+    replay_policy,
+    source_ceiling,
+)
 from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.model import ModelShape
-from hybridkv.sim.replay import ReplaySettings
+from hybridkv.sim.replay import ReplaySettings, RunResult, set_bounds
 
 KEY_FORMAT = 1
 """Bumped when the key material or the row layout changes (old rows are then ignored)."""
@@ -162,9 +175,37 @@ def key_material(source_identity: Mapping[str, object], shape: ModelShape, num_b
     }
 
 
-def compute_cell(source: Source, shape: ModelShape, cell: Cell, options: CellOptions,
-                 progress: Progress | None = None) -> Row | CellError:
-    """Replay one cell; its row, or ``CellError`` when the pool is too small for some
+@dataclass(slots=True)
+class CellReplay:
+    """A cell replayed, its bounds still to come: each scenario's result (with its log
+    while its bounds are unknown), the logs' ``BoundKeys``, the pool's ``BoundShape`` and
+    the ceiling. ``hybridkv.sim.sweep_exec`` starts one bound task per distinct key."""
+
+    results: dict[str, RunResult]
+    keys: dict[str, BoundKeys]
+    shape: BoundShape | None
+    ceiling: float
+
+    @property
+    def complete(self) -> bool:
+        """Every scenario has its bounds (or has none to have)."""
+        return all(result.log is None for result in self.results.values())
+
+
+@dataclass(frozen=True, slots=True)
+class CellBoundTask:
+    """The bounds of one distinct admission log of a sweep."""
+
+    source: str
+    scenario: str
+    shape: BoundShape
+    log: AdmissionLog
+    keys: BoundKeys
+
+
+def replay_cell(source: Source, shape: ModelShape, cell: Cell, options: CellOptions,
+                progress: Progress | None = None) -> CellReplay | CellError:
+    """Replay one cell (no bounds yet); ``CellError`` when the pool is too small for some
     request."""
     settings = replace(options.settings, admission=cell.admission)
     config = shape.cache_config(cell.num_blocks, hash_algo=options.hash_algo,
@@ -172,16 +213,47 @@ def compute_cell(source: Source, shape: ModelShape, cell: Cell, options: CellOpt
                                 max_num_batched_tokens=settings.chunk_size)
     try:
         check_pool_holds_requests(source, config)
-        result = run_policy(source, config, cell.policy, settings, progress).result
+        results = replay_policy(source, config, cell.policy, settings, progress)
     except PoolTooSmallError as err:
         return CellError(str(err))
-    ceiling = source_ceiling(source, config.alignment_tokens)
+    keys = log_keys(source, config, results)
+    for scenario, result in results.items():
+        if scenario not in keys:
+            result.log = None
+    return CellReplay(results, keys, BoundShape.of(config),
+                      source_ceiling(source, config.alignment_tokens))
+
+
+def cell_bounds(source: Source, task: CellBoundTask) -> BoundPair:
+    """Run one bound task (memoized per process)."""
+    return shared_bounds(source.scenarios[task.scenario], task.log, task.shape, task.keys)
+
+
+def compute_cell(source: Source, shape: ModelShape, cell: Cell, options: CellOptions,
+                 progress: Progress | None = None) -> Row | CellError:
+    """Replay one cell and compute its bounds here; its row, or ``CellError`` when the
+    pool is too small for some request."""
+    replayed = replay_cell(source, shape, cell, options, progress)
+    if isinstance(replayed, CellError):
+        return replayed
+    for scenario, keys in replayed.keys.items():
+        log = replayed.results[scenario].log
+        assert replayed.shape is not None and log is not None
+        task = CellBoundTask(cell.source, scenario, replayed.shape, log, keys)
+        set_bounds(replayed.results[scenario], cell_bounds(source, task))
+    return cell_row(source, shape, cell, replayed)
+
+
+def cell_row(source: Source, shape: ModelShape, cell: Cell, replayed: CellReplay) -> Row:
+    """The row of a cell whose bounds are all in."""
+    assert replayed.complete
+    result = policy_run(source, replayed.results).result
     row: Row = {
         "trace": cell.source, "model": cell.model, "num_blocks": cell.num_blocks,
         "kv_memory": cell.kv_memory or "", "pool_bytes": cell.num_blocks * shape.bytes_per_block,
         "policy": cell.policy, "admission": cell.admission,
         "hit_rate": result.hit_rate, "bound": result.bound, "bound_fa": result.bound_fa,
-        "ceiling": ceiling, "hit_tokens": result.hit_tokens,
+        "ceiling": replayed.ceiling, "hit_tokens": result.hit_tokens,
         "prompt_tokens": result.prompt_tokens,
         **{f"miss_{cause}": tokens for cause, tokens in result.misses.as_dict().items()},
         "preemptions": result.preemptions, "steps": result.steps,
@@ -230,7 +302,24 @@ def default_workers() -> int:
 
 
 __all__ = [
-    "ROW_FIELDS", "TIMING_FIELDS", "Cell", "CellError", "CellOptions", "Row", "cell_key",
-    "code_fingerprint", "compute_cell", "default_workers", "dispatch_order",
-    "file_fingerprint", "key_material", "model_identity", "without_timings",
+    "ROW_FIELDS",
+    "TIMING_FIELDS",
+    "Cell",
+    "CellBoundTask",
+    "CellError",
+    "CellOptions",
+    "CellReplay",
+    "Row",
+    "cell_bounds",
+    "cell_key",
+    "cell_row",
+    "code_fingerprint",
+    "compute_cell",
+    "default_workers",
+    "dispatch_order",
+    "file_fingerprint",
+    "key_material",
+    "model_identity",
+    "replay_cell",
+    "without_timings",
 ]

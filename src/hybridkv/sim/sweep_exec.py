@@ -1,6 +1,11 @@
 """Running a sweep's cells on this machine: one after another, or in ``--jobs`` forked
 processes (``run_processes``).
 
+A cell is a replay task, then its bounds: the replay returns its admission logs' keys
+(``BoundKeys``), and the parent (``SharedCellBounds``) starts one bound task per distinct
+key — cells whose policies logged the same admissions (same trace, model, pool) share it
+— ahead of the replays not started yet; a cell is done when its last bound arrives.
+
 Both hand each finished cell to ``on_done`` as soon as it finishes (the parent then
 stores it: an interrupted sweep keeps every finished cell). The processes are the ones
 ``hybridkv replay --jobs`` uses (``hybridkv.sim.commands._worker_init``): they ignore
@@ -20,9 +25,24 @@ from dataclasses import dataclass
 
 from rich.progress import Progress
 
+from hybridkv.sim.bound_share import BoundBroker, BoundPair
 from hybridkv.sim.commands import Source, _worker_init
 from hybridkv.sim.model import ModelShape
-from hybridkv.sim.sweep import Cell, CellError, CellOptions, Row, compute_cell, dispatch_order
+from hybridkv.sim.replay import set_bounds
+from hybridkv.sim.sweep import (
+    Cell,
+    CellBoundTask,
+    CellError,
+    CellOptions,
+    CellReplay,
+    Row,
+    cell_bounds,
+    cell_row,
+    compute_cell,
+    dispatch_order,
+    replay_cell,
+)
+from hybridkv.sim.task_feed import TaskFeed
 
 OnDone = Callable[[Cell, "Row | CellError"], None]
 """Called in the parent with each finished cell and its outcome."""
@@ -41,6 +61,16 @@ class SweepWork:
         return compute_cell(self.sources[cell.source], self.models[cell.model], cell,
                             self.options[cell.source], progress)
 
+    def replay(self, cell: Cell) -> CellReplay | CellError:
+        return replay_cell(self.sources[cell.source], self.models[cell.model], cell,
+                           self.options[cell.source])
+
+    def bounds(self, task: CellBoundTask) -> BoundPair:
+        return cell_bounds(self.sources[task.source], task)
+
+    def row(self, cell: Cell, replayed: CellReplay) -> Row:
+        return cell_row(self.sources[cell.source], self.models[cell.model], cell, replayed)
+
     def costs(self) -> dict[str, int]:
         """Prompt tokens per source (the dispatch order's cost estimate)."""
         return {label: sum(r.input_length for t in source.scenarios.values()
@@ -55,20 +85,64 @@ def run_serial(work: SweepWork, cells: Sequence[Cell], on_done: OnDone,
         on_done(cell, work.compute(cell, progress))
 
 
+class SharedCellBounds:
+    """The parent's side of the bound tasks: which cells wait for which distinct log.
+
+    ``replayed`` takes a cell's replay and returns the bound tasks to start (one per key
+    no task was started for yet) and the cell's row when it needs none; ``bounded`` takes
+    a finished bound task and returns the rows it completes."""
+
+    def __init__(self, work: SweepWork) -> None:
+        self._work = work
+        self._broker: BoundBroker[tuple[int, str]] = BoundBroker()
+        self._waiting: dict[int, tuple[Cell, CellReplay]] = {}
+
+    def replayed(self, index: int, cell: Cell, outcome: CellReplay | CellError,
+                 ) -> tuple[list[CellBoundTask], Row | CellError | None]:
+        if isinstance(outcome, CellError):
+            return [], outcome
+        tasks: list[CellBoundTask] = []
+        for scenario, keys in outcome.keys.items():
+            result = outcome.results[scenario]
+            if keys in self._broker.known:
+                set_bounds(result, self._broker.known[keys])
+            elif self._broker.wait(keys, (index, scenario)):
+                assert result.log is not None and outcome.shape is not None
+                tasks.append(CellBoundTask(cell.source, scenario, outcome.shape, result.log,
+                                           keys))
+        if outcome.complete:
+            return tasks, self._work.row(cell, outcome)
+        self._waiting[index] = (cell, outcome)
+        return tasks, None
+
+    def bounded(self, task: CellBoundTask, pair: BoundPair) -> list[tuple[Cell, Row]]:
+        rows: list[tuple[Cell, Row]] = []
+        for index, scenario in self._broker.resolve(task.keys, pair):
+            cell, outcome = self._waiting[index]
+            set_bounds(outcome.results[scenario], pair)
+            if outcome.complete:
+                del self._waiting[index]
+                rows.append((cell, self._work.row(cell, outcome)))
+        return rows
+
+
 _JOB: tuple[SweepWork, Sequence[Cell]] | None = None
 """What forked workers compute (inherited through fork, never pickled)."""
 
 
-def _compute_index(index: int) -> tuple[int, Row | CellError]:
+def _compute_item(item: int | CellBoundTask) -> CellReplay | CellError | BoundPair:
     assert _JOB is not None
     work, cells = _JOB
-    return index, work.compute(cells[index])
+    if isinstance(item, CellBoundTask):
+        return work.bounds(item)
+    return work.replay(cells[item])
 
 
 def run_processes(work: SweepWork, cells: Sequence[Cell], jobs: int, on_done: OnDone) -> None:
-    """Compute the cells in ``jobs`` forked processes, expected-longest first; results
-    reach ``on_done`` in completion order. Leaving (done, an error, Ctrl-C, or SIGTERM
-    raised as an exception by the CLI) terminates the workers."""
+    """Compute the cells in ``jobs`` forked processes, expected-longest first, each
+    distinct log's bounds once, before the replays not started yet; results reach
+    ``on_done`` in completion order. Leaving (done, an error, Ctrl-C, or SIGTERM raised as
+    an exception by the CLI) terminates the workers."""
     global _JOB  # noqa: PLW0603 - handed to forked workers without pickling the traces
     _JOB = (work, cells)
     try:
@@ -79,15 +153,29 @@ def run_processes(work: SweepWork, cells: Sequence[Cell], jobs: int, on_done: On
             # the CLI's handler, nor a pool the with block does not own yet.
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
             try:
+                workers = min(jobs, len(cells)) or 1
                 pool = stack.enter_context(context.Pool(
-                    min(jobs, len(cells)) or 1, initializer=_worker_init,
-                    initargs=(os.getpid(),)))
+                    workers, initializer=_worker_init, initargs=(os.getpid(),)))
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             try:
-                order = dispatch_order(cells, work.costs())
-                for index, outcome in pool.imap_unordered(_compute_index, order):
-                    on_done(cells[index], outcome)
+                feed: TaskFeed[int | CellBoundTask, CellReplay | CellError | BoundPair] = \
+                    TaskFeed(pool, _compute_item, workers)
+                for index in dispatch_order(cells, work.costs()):
+                    feed.add(index)
+                shared = SharedCellBounds(work)
+                for item, outcome in feed:
+                    if isinstance(item, CellBoundTask):
+                        assert isinstance(outcome, tuple)
+                        for cell, row in shared.bounded(item, outcome):
+                            on_done(cell, row)
+                        continue
+                    assert not isinstance(outcome, tuple)
+                    tasks, done = shared.replayed(item, cells[item], outcome)
+                    for task in tasks:
+                        feed.add(task, first=True)
+                    if done is not None:
+                        on_done(cells[item], done)
             except BaseException:
                 _kill_workers(pool)
                 raise
@@ -105,4 +193,4 @@ def _kill_workers(pool: object) -> None:
             process.kill()
 
 
-__all__ = ["OnDone", "SweepWork", "run_processes", "run_serial"]
+__all__ = ["OnDone", "SharedCellBounds", "SweepWork", "run_processes", "run_serial"]

@@ -10,7 +10,8 @@ sweep with one line.
 
 Each source and model goes into the object store once (``ray.put``): a remote node needs
 neither the trace files nor the model files. A task is one cell (``compute_cell``, the
-same function ``--jobs`` workers run), so the rows equal a serial run's. Ctrl-C, SIGTERM
+same function ``--jobs`` workers run), then one bound task per distinct admission log
+(``SharedCellBounds``), so the rows equal a serial run's. Ctrl-C, SIGTERM
 or an error cancels every unfinished task (``ray.cancel(force=True)``) and shuts Ray down
 before the CLI reports; Ray's own SIGTERM handler is replaced by the CLI's again right
 after ``ray.init``.
@@ -32,18 +33,21 @@ from typing import Any
 
 import hybridkv
 from hybridkv.errors import ConfigError
+from hybridkv.sim.bound_share import BoundPair
 from hybridkv.sim.commands import Source
 from hybridkv.sim.model import ModelShape
 from hybridkv.sim.sweep import (
     Cell,
+    CellBoundTask,
     CellError,
     CellOptions,
-    Row,
+    CellReplay,
+    cell_bounds,
     code_fingerprint,
-    compute_cell,
     dispatch_order,
+    replay_cell,
 )
-from hybridkv.sim.sweep_exec import OnDone, SweepWork
+from hybridkv.sim.sweep_exec import OnDone, SharedCellBounds, SweepWork
 
 LOCAL = "local"
 """``--ray`` without an address: start a local Ray for this sweep."""
@@ -65,9 +69,14 @@ def require_ray(address: str) -> None:
 
 
 def _ray_cell(source: Source, shape: ModelShape, cell: Cell,
-              options: CellOptions) -> tuple[str, Row | CellError]:
-    """The task body: (this worker's code fingerprint, the cell's outcome)."""
-    return code_fingerprint(), compute_cell(source, shape, cell, options)
+              options: CellOptions) -> tuple[str, CellReplay | CellError]:
+    """The replay task body: (this worker's code fingerprint, the cell's replay)."""
+    return code_fingerprint(), replay_cell(source, shape, cell, options)
+
+
+def _ray_bounds(source: Source, task: CellBoundTask) -> tuple[str, BoundPair]:
+    """The bound task body: (this worker's code fingerprint, the log's bounds)."""
+    return code_fingerprint(), cell_bounds(source, task)
 
 
 @contextmanager
@@ -221,12 +230,13 @@ def run_ray(work: SweepWork, cells: Sequence[Cell], address: str, num_cpus: int,
     check_reachable(address)
     import ray
 
-    pending: dict[Any, int] = {}
+    pending: dict[Any, int | CellBoundTask] = {}
     with _deferred_signals() as check_signals:
         try:
             _init(ray, address, num_cpus)
             check_signals()
             task = ray.remote(num_cpus=1, max_retries=0)(_ray_cell)
+            bound_task = ray.remote(num_cpus=1, max_retries=0)(_ray_bounds)
             sources = {label: ray.put(source) for label, source in work.sources.items()}
             models = {label: ray.put(shape) for label, shape in work.models.items()}
             for index in dispatch_order(cells, work.costs()):
@@ -234,17 +244,26 @@ def run_ray(work: SweepWork, cells: Sequence[Cell], address: str, num_cpus: int,
                 pending[task.remote(sources[cell.source], models[cell.model], cell,
                                     work.options[cell.source])] = index
             expected = code_fingerprint()
+            shared = SharedCellBounds(work)
             while pending:
                 check_signals()
                 done, _ = ray.wait(list(pending), num_returns=1, timeout=WAIT_SECONDS)
                 for ref in done:
-                    index = pending.pop(ref)
+                    item = pending.pop(ref)
                     fingerprint, outcome = ray.get(ref)
                     if fingerprint != expected:
                         raise ConfigError("--ray", address, "the cluster's workers run other "
                                           "hybridkv code than this sweep; install the same "
                                           "hybridkv on every node")
-                    on_done(cells[index], outcome)
+                    if isinstance(item, CellBoundTask):
+                        for cell, row in shared.bounded(item, outcome):
+                            on_done(cell, row)
+                        continue
+                    tasks, finished = shared.replayed(item, cells[item], outcome)
+                    for bound in tasks:
+                        pending[bound_task.remote(sources[bound.source], bound)] = bound
+                    if finished is not None:
+                        on_done(cells[item], finished)
         except BaseException:
             for ref in pending:
                 ray.cancel(ref, force=True)

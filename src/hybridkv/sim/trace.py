@@ -256,5 +256,27 @@ def _expand_ranges(ranges: Sequence[tuple[int, int]], num_tokens: int) -> list[i
     return prompt
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (slice comparisons, no
+    per-element Python loop).
+
+    >>> common_prefix_length((1, 2, 3, 4), (1, 2, 9)), common_prefix_length((), (1,))
+    (2, 0)
+    >>> common_prefix_length((5, 6), (5, 6, 7))
+    2
+    """
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
