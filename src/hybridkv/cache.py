@@ -747,31 +747,11 @@ class KVCacheManager:
         ``any(h in index for index, h in probes)`` (the indexes are the pool's live ones).
         ``None``: always true (no full attention). Lets a caller that asks the same
         question many times skip the method call."""
-        state = self._state(req_id, "growth_probes")
-        if not self.config.enable_caching:
-            return ()
-        hashes = state.block_hashes
-        hb = self.hasher.block_size
-        pool = self.pool
-        matched = max(num_tokens, matched_tokens)
-        probes: list[tuple[Mapping[BlockHash, Block], BlockHash]] = []
-        full = [m for m in self.coordinator.managers if m.is_full_attention]
-        if not full:
+        parts = self.growth_probe_parts(req_id, num_tokens, matched_tokens)
+        if parts is None:
             return None
-        for manager in full:
-            position = (matched // manager.block_size + 1) * manager.block_size // hb - 1
-            if position < len(hashes):
-                probes.append((pool.group_index(manager.group_id), hashes[position]))
-        if matched > num_tokens:
-            for manager in self.coordinator.managers:
-                if manager.is_full_attention:
-                    continue
-                index = pool.group_index(manager.group_id)
-                step = manager.block_size // hb
-                first = (num_tokens // manager.block_size + 1) * step - 1
-                last = min(matched // hb, len(hashes))
-                probes.extend((index, hashes[j]) for j in range(first, last, step))
-        return tuple(probes)
+        full, window = parts
+        return (*full, *((index, h) for index, hashes in window for h in hashes))
 
     def growth_probe_parts(self, req_id: ReqId, num_tokens: int, matched_tokens: int = 0,
                            ) -> tuple[tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...],
