@@ -36,12 +36,15 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from hybridkv.sim.bound import AdmissionLog, BoundShape, both_optima
 from hybridkv.sim.trace import Trace, TraceRequest
+
+if TYPE_CHECKING:
+    from hybridkv.sim.replay import RunResult
 
 BoundPair = tuple[int, int]
 """(``bound`` hit tokens, ``bound_fa`` hit tokens) of one log."""
@@ -185,6 +188,26 @@ class BoundBroker(Generic[W]):
         self.known[keys] = pair
         return self.waiting.pop(keys, [])
 
+    def place(self: BoundBroker[tuple[int, str]], owner: int,
+              results: Mapping[str, RunResult], keys: Mapping[str, BoundKeys]) -> list[str]:
+        """Replay ``owner``'s scenarios (``results``, their logs' ``keys``): each gets its
+        bounds now where its key is known, else waits for it as ``(owner, scenario)``;
+        returns the scenarios whose bound task must start now (first of their key)."""
+        started: list[str] = []
+        for scenario, scenario_keys in keys.items():
+            pair = self.known.get(scenario_keys)
+            if pair is not None:
+                set_bounds(results[scenario], pair)
+            elif self.wait(scenario_keys, (owner, scenario)):
+                started.append(scenario)
+        return started
+
+
+def set_bounds(result: RunResult, pair: BoundPair) -> None:
+    """Store a ``(bound, bound_fa)`` hit-token pair in ``result`` and drop its log."""
+    result.bound_hit_tokens, result.bound_fa_hit_tokens = pair
+    result.log = None
+
 
 __all__ = ["BoundBroker", "BoundKeys", "BoundPair", "clear_memo", "request_digest",
-           "shared_bounds"]
+           "set_bounds", "shared_bounds"]

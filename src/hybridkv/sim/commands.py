@@ -31,7 +31,7 @@ from hybridkv.observe import open_observers, parse_metrics_target
 from hybridkv.policies import CORE_POLICIES, make_retention_policy, split_policy_name
 from hybridkv.sim.admission import parse_admissions
 from hybridkv.sim.bound import AdmissionLog, BoundShape, offline_optimum
-from hybridkv.sim.bound_share import BoundBroker, BoundKeys, BoundPair, shared_bounds
+from hybridkv.sim.bound_share import BoundBroker, BoundKeys, BoundPair, set_bounds, shared_bounds
 from hybridkv.sim.ceiling import infinite_cache_ceiling
 from hybridkv.sim.limits import check_pool_fits
 from hybridkv.sim.loaders import load_trace
@@ -43,7 +43,6 @@ from hybridkv.sim.replay import (
     RunResult,
     attach_bounds,
     replay,
-    set_bounds,
 )
 from hybridkv.sim.report import (
     PolicyRun,
@@ -525,13 +524,10 @@ def _run_parallel(source: Source, config: CacheConfig, settings: ReplaySettings,
                     assert isinstance(outcome, Replayed)
                     index = done[0]
                     replayed[index] = outcome
-                    for scenario, keys in outcome.keys.items():
-                        result = outcome.results[scenario]
-                        if keys in broker.known:
-                            set_bounds(result, broker.known[keys])
-                        elif broker.wait(keys, (index, scenario)):
-                            assert result.log is not None
-                            feed.add(BoundTask(scenario, result.log, keys), first=True)
+                    for scenario in broker.place(index, outcome.results, outcome.keys):
+                        log = outcome.results[scenario].log
+                        assert log is not None
+                        feed.add(BoundTask(scenario, log, outcome.keys[scenario]), first=True)
                     _finish(source, replayed, runs, index)
                 if progress is not None and task is not None and not isinstance(done, BoundTask):
                     progress.advance(task)

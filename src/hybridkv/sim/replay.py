@@ -20,7 +20,7 @@ from hybridkv.errors import HybridKVError, InvariantViolation, PoolTooSmallError
 from hybridkv.hashing import BlockHasher
 from hybridkv.ids import BlockHash
 from hybridkv.sim.bound import AdmissionLog, BoundShape
-from hybridkv.sim.bound_share import shared_bounds
+from hybridkv.sim.bound_share import set_bounds, shared_bounds
 from hybridkv.sim.misses import MissCauses, ObservedManager
 from hybridkv.sim.scheduler import SchedRequest, Scheduler
 from hybridkv.sim.trace import (
@@ -441,12 +441,6 @@ def attach_bounds(result: RunResult, trace: Trace, config: CacheConfig) -> None:
     shape = BoundShape.of(config)
     if shape is not None and result.log is not None:
         set_bounds(result, shared_bounds(trace, result.log, shape))
-    result.log = None
-
-
-def set_bounds(result: RunResult, pair: tuple[int, int]) -> None:
-    """Store a ``(bound, bound_fa)`` hit-token pair in ``result`` and drop its log."""
-    result.bound_hit_tokens, result.bound_fa_hit_tokens = pair
     result.log = None
 
 

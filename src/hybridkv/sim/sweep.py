@@ -48,7 +48,7 @@ from rich.progress import Progress
 import hybridkv
 from hybridkv.errors import PoolTooSmallError
 from hybridkv.sim.bound import AdmissionLog, BoundShape
-from hybridkv.sim.bound_share import BoundKeys, BoundPair, shared_bounds
+from hybridkv.sim.bound_share import BoundKeys, BoundPair, set_bounds, shared_bounds
 from hybridkv.sim.commands import (
     Source,
     check_pool_holds_requests,
@@ -59,7 +59,7 @@ from hybridkv.sim.commands import (
 )
 from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.model import ModelShape
-from hybridkv.sim.replay import ReplaySettings, RunResult, set_bounds
+from hybridkv.sim.replay import ReplaySettings, RunResult
 
 KEY_FORMAT = 1
 """Bumped when the key material or the row layout changes (old rows are then ignored)."""

@@ -25,10 +25,9 @@ from dataclasses import dataclass
 
 from rich.progress import Progress
 
-from hybridkv.sim.bound_share import BoundBroker, BoundPair
+from hybridkv.sim.bound_share import BoundBroker, BoundPair, set_bounds
 from hybridkv.sim.commands import Source, _worker_init
 from hybridkv.sim.model import ModelShape
-from hybridkv.sim.replay import set_bounds
 from hybridkv.sim.sweep import (
     Cell,
     CellBoundTask,
@@ -102,14 +101,11 @@ class SharedCellBounds:
         if isinstance(outcome, CellError):
             return [], outcome
         tasks: list[CellBoundTask] = []
-        for scenario, keys in outcome.keys.items():
-            result = outcome.results[scenario]
-            if keys in self._broker.known:
-                set_bounds(result, self._broker.known[keys])
-            elif self._broker.wait(keys, (index, scenario)):
-                assert result.log is not None and outcome.shape is not None
-                tasks.append(CellBoundTask(cell.source, scenario, outcome.shape, result.log,
-                                           keys))
+        for scenario in self._broker.place(index, outcome.results, outcome.keys):
+            log = outcome.results[scenario].log
+            assert log is not None and outcome.shape is not None
+            tasks.append(CellBoundTask(cell.source, scenario, outcome.shape, log,
+                                       outcome.keys[scenario]))
         if outcome.complete:
             return tasks, self._work.row(cell, outcome)
         self._waiting[index] = (cell, outcome)
