@@ -16,6 +16,7 @@ from hybridkv.errors import ConfigError
 from hybridkv.host_aware import LandingTier
 from hybridkv.host_lru import BlockLRUTier
 from hybridkv.host_tier import HostShape, HostTier
+from hybridkv.ids import GroupId
 
 DEFAULT_STATE_SHARE = 0.5
 """``lru-split``'s state share when none is given (half the host bytes, as the SGLang
@@ -41,6 +42,18 @@ HOST_POLICIES: dict[str, Callable[[HostShape, int, str | None], HostTier]] = {
     "lru-split": _split,
 }
 """Name → factory ``(shape, capacity_blocks, argument after ':')``."""
+
+
+def check_host_policy(name: str) -> None:
+    """Raise ``ConfigError`` unless ``name`` is a host policy (before a run starts).
+
+    >>> check_host_policy("lru-split:2")
+    Traceback (most recent call last):
+    hybridkv.errors.ConfigError: --host-policy='lru-split:2' is invalid: give the state share as a number in [0, 1], e.g. lru-split:0.5
+    """
+    from hybridkv.host_tier import HostGroup  # a one-group shape: names only
+
+    make_host_tier(name, HostShape((HostGroup(GroupId(0), 1, None),), 1, 1, 1), 0)
 
 
 def make_host_tier(name: str, shape: HostShape, capacity_blocks: int) -> HostTier:

@@ -35,6 +35,7 @@ from hybridkv.sim.bound_share import BoundBroker, BoundKeys, BoundPair, set_boun
 from hybridkv.sim.ceiling import infinite_cache_ceiling
 from hybridkv.sim.limits import check_pool_fits
 from hybridkv.sim.loaders import load_trace
+from hybridkv.sim.host_replay import resolve_host_memory
 from hybridkv.sim.model import ModelShape, load_model, num_blocks_for_memory, parse_size
 from hybridkv.sim.outputs import StagedOutputs, check_output_paths
 from hybridkv.sim.replay import (
@@ -639,6 +640,8 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
     num_blocks = resolve_pool(args.num_blocks, args.kv_memory, shape, source,
                               num_processes=jobs)
     config = make_config(shape, num_blocks, args, settings)
+    settings = replace(settings, host_policy=args.host_policy, host_memory_bytes=(
+        resolve_host_memory(args.host_memory, args.host_policy, config)))
     policies = parse_policies(args.policy, _has_sessions(source))
     admissions = parse_admissions(args.admission)
     for policy in policies:

@@ -20,7 +20,9 @@ from hybridkv.errors import HybridKVError, InvariantViolation, PoolTooSmallError
 from hybridkv.hashing import BlockHasher
 from hybridkv.ids import BlockHash
 from hybridkv.sim.bound import AdmissionLog, BoundShape
+from hybridkv.host_tier import HostReport
 from hybridkv.sim.bound_share import set_bounds, shared_bounds
+from hybridkv.sim.host_replay import HostLink
 from hybridkv.sim.misses import MissCauses, ObservedManager
 from hybridkv.sim.scheduler import SchedRequest, Scheduler
 from hybridkv.sim.trace import (
@@ -62,6 +64,10 @@ class ReplaySettings:
     """Admission order (``sim.admission.ORDERS``); ``fcfs`` is the protocol."""
     observers: tuple[ReplayObserver, ...] = ()
     """Called around every replay (``hybridkv replay --events / --metrics``)."""
+    host_memory_bytes: int = 0
+    """Host tier behind the pool (``--host-memory``; 0: none)."""
+    host_policy: str = "aware"
+    """The host tier's policy (``hybridkv.host_policies``)."""
 
     def __reduce__(self) -> tuple[type[ReplaySettings], tuple[object, ...]]:
         """Pickle through the constructor (sweep cells travel to ``--jobs`` / Ray workers):
@@ -127,10 +133,17 @@ class RunResult:
     bound_hit_tokens: int | None = None
     """Hit tokens of ``bound`` for this run's admissions (``attach_bounds``)."""
     bound_fa_hit_tokens: int | None = None
+    host: HostReport | None = None
+    """The host tier's summary (``--host-memory``); ``hit_tokens`` then counts GPU and host
+    hits, ``host.hit_tokens`` the host's part."""
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def host_hit_tokens(self) -> int:
+        return 0 if self.host is None else self.host.hit_tokens
 
     @property
     def bound(self) -> float | None:
@@ -160,6 +173,10 @@ class RunResult:
             mine_value, theirs = getattr(self, name), getattr(other, name)
             if theirs is not None:
                 setattr(self, name, (mine_value or 0) + theirs)
+        if other.host is not None:
+            if self.host is None:
+                self.host = HostReport(other.host.policy, other.host.capacity_bytes)
+            self.host.merge(other.host)
         for tag, totals in other.by_tag.items():
             mine = self.by_tag.setdefault(tag, TagTotals())
             mine.requests += totals.requests
@@ -362,6 +379,9 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
                           reserve_full_prompt=settings.reserve_full_prompt,
                           lookahead_requests=settings.lookahead_requests,
                           admission=settings.admission)
+    if settings.host_memory_bytes:
+        manager.host = HostLink.for_manager(manager, settings.host_policy,
+                                            settings.host_memory_bytes)
     observers = settings.observers
     for observer in observers:
         observer.attach(manager, scheduler, policy if settings.admission == "fcfs"
@@ -393,6 +413,8 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
         num_finished += len(finished)
         if settings.check_invariants:
             manager.check_invariants()
+            if manager.host is not None:
+                manager.host.tier.check_invariants()
         if progress is not None:
             progress(num_finished, num_requests)
         for observer in observers:
@@ -403,6 +425,9 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
     result.misses = manager.misses
     result.misses_by_tag = manager.misses_by_tag
     result.log = manager.log
+    if manager.host is not None:
+        result.host = manager.host.report()
+        result.hit_tokens += result.host.hit_tokens
     for observer in observers:
         observer.detach(manager, scheduler, result.misses.as_dict())
     return result

@@ -117,7 +117,29 @@ def _run_json(result: RunResult) -> dict[str, object]:
         "bound_fa_hit_tokens": result.bound_fa_hit_tokens,
         "miss_tokens": result.misses.as_dict(),
         "miss_shares": {k: round(v, 6) for k, v in result.misses.shares().items()},
+        **({} if result.host is None else {"host": {
+            **result.host.as_dict(),
+            "gpu_hit_rate": (result.hit_tokens - result.host_hit_tokens) / result.prompt_tokens
+            if result.prompt_tokens else 0.0,
+            "host_hit_rate": result.host_hit_tokens / result.prompt_tokens
+            if result.prompt_tokens else 0.0}}),
     }
+
+
+def host_line(result: RunResult) -> str | None:
+    """One line on a run's host tier: hit rate by tier, bytes moved, occupancy by kind."""
+    host = result.host
+    if host is None:
+        return None
+    prompt = result.prompt_tokens or 1
+    gib = float(1 << 30)
+    return (f"host tier {host.policy} ({host.capacity_bytes / gib:,.1f} GiB) under "
+            f"{result.policy}: hit rate GPU {100 * (result.hit_tokens - host.hit_tokens) / prompt:.2f}%"
+            f" + host {100 * host.hit_tokens / prompt:.2f}% = {100 * result.hit_rate:.2f}%; "
+            f"moved GPU→host {host.stored_bytes / gib:,.1f} GiB, host→GPU "
+            f"{host.loaded_bytes / gib:,.1f} GiB; held KV {host.kv_bytes / gib:,.1f} GiB, "
+            f"state {host.state_bytes / gib:,.1f} GiB; evicted {host.evicted_blocks:,} blocks, "
+            f"not kept {host.refused_blocks:,}")
 
 
 def _rate(value: float | None) -> str:
@@ -125,7 +147,7 @@ def _rate(value: float | None) -> str:
 
 
 _CAUSE_LABELS = {"cold": "cold", "evicted": "evicted", "tail": "tail", "alignment": "align",
-                 "admission": "admit"}
+                 "admission": "admit", "host_evicted": "host evicted"}
 
 
 def render_table(report: Report, console: Console) -> None:
@@ -150,6 +172,10 @@ def render_table(report: Report, console: Console) -> None:
                       f"{r.manager_seconds:.2f}", f"{r.scheduler_seconds:.2f}",
                       f"{r.wall_seconds:.2f}")
     console.print(table)
+    for run in report.runs:
+        line = host_line(run.result)
+        if line is not None:
+            console.print(line)
     pool = pool_line(report.settings)
     if pool:
         console.print(pool)
@@ -295,7 +321,8 @@ def plot_miss_causes(ax: object, runs: Sequence[PolicyRun]) -> None:
     names = [run.result.policy for run in runs]
     bottoms = [0.0] * len(runs)
     colors = {"hit": "tab:blue", "cold": "tab:gray", "evicted": "tab:red",
-              "tail": "tab:orange", "alignment": "tab:purple", "admission": "tab:brown"}
+              "tail": "tab:orange", "alignment": "tab:purple", "admission": "tab:brown",
+              "host_evicted": "tab:pink"}
     for part in ("hit", *MISS_CAUSES):
         heights = []
         for run in runs:
