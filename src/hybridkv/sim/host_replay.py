@@ -23,7 +23,7 @@ from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
 from hybridkv.host_policies import check_host_policy, make_host_tier
-from hybridkv.host_tier import HostReport, HostShape, HostTier, ReleasedBlocks
+from hybridkv.host_tier import HostHit, HostReport, HostShape, HostTier, ReleasedBlocks
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.sim.model import parse_size
 
@@ -44,21 +44,23 @@ class HostLink:
         shape = HostShape.of(manager.config, coordinator.managers, coordinator.alignment_tokens)
         return cls(make_host_tier(policy, shape, capacity_bytes // shape.block_bytes))
 
-    def lookup(self, manager: KVCacheManager, req_id: ReqId, hashes: Sequence[BlockHash],
-               gpu_hit_tokens: int, num_prompt_tokens: int) -> int:
-        """At a first admission: the total hit (GPU or host), promoting a host hit."""
+    def lookup(self, manager: KVCacheManager, hashes: Sequence[BlockHash],
+               gpu_hit_tokens: int, num_prompt_tokens: int) -> HostHit | None:
+        """Before a first admission's allocation: a hit past the GPU's, if the tier has one
+        (capped at the last prompt token). Does not modify."""
         pool = manager.pool
 
         def on_gpu(group_id: GroupId, block_hash: BlockHash) -> bool:
             return block_hash in pool.group_index(group_id)
 
-        hit = self.tier.longest_hit(hashes, on_gpu, gpu_hit_tokens=gpu_hit_tokens,
-                                    max_tokens=num_prompt_tokens - 1)
-        if hit is None:
-            return gpu_hit_tokens
+        return self.tier.longest_hit(hashes, on_gpu, gpu_hit_tokens=gpu_hit_tokens,
+                                     max_tokens=num_prompt_tokens - 1)
+
+    def promote(self, req_id: ReqId, hashes: Sequence[BlockHash], hit: HostHit,
+                gpu_hit_tokens: int) -> None:
+        """The admission went through: count the host hit and its copies."""
         self.tier.promote(hashes, hit, gpu_hit_tokens)
         self.per_request[req_id] = hit.num_tokens - gpu_hit_tokens
-        return hit.num_tokens
 
     def release(self, manager: KVCacheManager, req_id: ReqId, hashes: Sequence[BlockHash],
                 num_computed_tokens: int) -> None:

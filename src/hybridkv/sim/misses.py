@@ -40,6 +40,7 @@ from hybridkv.cache import Allocation, KVCacheManager, PrefixHit
 from hybridkv.config import CacheConfig
 from hybridkv.ids import BlockHash, ReqId
 from hybridkv.sim.bound import AdmissionLog
+from hybridkv.host_tier import HostHit
 from hybridkv.sim.host_replay import HostLink
 
 MISS_CAUSES = ("cold", "evicted", "tail", "alignment", "admission", "host_evicted")
@@ -146,8 +147,8 @@ class ObservedManager(KVCacheManager):
         self.host: HostLink | None = None
         """A host tier behind the pool (``hybridkv.sim.host_replay``), set before the
         first request: first admissions also look there, releases offer it their blocks."""
-        self._host_hit: dict[ReqId, int] = {}
-        """Per request admitted now, its total (GPU or host) hit, while it is classified."""
+        self._host_hit: dict[ReqId, tuple[HostHit, int]] = {}
+        """Per request being admitted, a host hit past its GPU hit (and the GPU hit)."""
 
     @property
     def misses(self) -> MissCauses:
@@ -176,8 +177,10 @@ class ObservedManager(KVCacheManager):
         host = self.host
         if host is not None and admitting and req_id not in self._admitted and hit is not None:
             state = self._requests[req_id]
-            self._host_hit[req_id] = host.lookup(self, req_id, state.block_hashes,
-                                                 hit.num_tokens, state.num_prompt_tokens)
+            found = host.lookup(self, state.block_hashes, hit.num_tokens,
+                                state.num_prompt_tokens)
+            if found is not None:
+                self._host_hit[req_id] = (found, hit.num_tokens)
         allocation = super().allocate_slots(req_id, num_new_tokens, hit,
                                             num_lookahead_tokens=num_lookahead_tokens,
                                             reserve_full_prompt=reserve_full_prompt)
@@ -246,10 +249,11 @@ class ObservedManager(KVCacheManager):
         looked_hit, resident = self._lookup.pop(req_id, (hit_tokens, hit_tokens))
         if looked_hit != hit_tokens:  # the hit came from elsewhere: no full-attention answer
             resident = hit_tokens
-        total = self._host_hit.pop(req_id, hit_tokens)
-        if total > hit_tokens:  # a host hit: it reached further than the GPU chain
-            hit_tokens = total
-            resident = max(resident, total)
+        host_hit = self._host_hit.pop(req_id, None)
+        if host_hit is not None and self.host is not None:  # promoted: reached further
+            self.host.promote(req_id, hashes, *host_hit)
+            hit_tokens = host_hit[0].num_tokens
+            resident = max(resident, hit_tokens)
         was_cached = was_on_host = False
         a = self.coordinator.alignment_tokens
         reachable = min((num_seen * hb // a) * a, ((state.num_prompt_tokens - 1) // a) * a)
