@@ -44,14 +44,16 @@ from hybridkv.host_tier import HostHit, HostKey, HostShape, HostTier, ReleasedBl
 from hybridkv.ids import BlockHash, GroupId
 
 
-def landing_points(shape: HostShape, released: ReleasedBlocks) -> list[int]:
-    """Aligned points of ``released`` where its own cached blocks let a hit land, ascending.
+def landing_points(shape: HostShape, released: ReleasedBlocks) -> list[tuple[int, bool]]:
+    """Aligned points of ``released`` where its own cached blocks let a hit land, ascending,
+    each with whether it lands with tails (else: a bridge point at the chain's end, when
+    the shape has bridges).
 
     >>> from hybridkv.host_tier import HostGroup
     >>> from hybridkv.ids import BlockHash, GroupId
     >>> s = HostShape((HostGroup(GroupId(0), 4, None), HostGroup(GroupId(1), 4, 1)), 4, 4, 1)
     >>> landing_points(s, ReleasedBlocks([BlockHash(b"x")] * 3, ([0, 1, 2], [1]), 12))
-    [8]
+    [(8, True)]
     """
     a = shape.alignment_tokens
     reach = released.num_tokens
@@ -65,17 +67,20 @@ def landing_points(shape: HostShape, released: ReleasedBlocks) -> list[int]:
     tails = [(g, set(ix)) for g, ix in zip(shape.groups, released.cached, strict=True)
              if not g.is_full]
     if not tails:
-        return list(range(a, reach // a * a + 1, a))
+        return [(p, True) for p in range(a, reach // a * a + 1, a)]
     first_group, first_cached = tails[0]
     candidates = sorted({(i + 1) * first_group.block_size for i in first_cached})
-    points: list[int] = []
+    points: list[tuple[int, bool]] = []
     for point in candidates:
         if point % a or point > reach:
             continue
         if all(i in cached for group, cached in tails
                for i in range(point // group.block_size - group.tail_at(point),
                               point // group.block_size)):
-            points.append(point)
+            points.append((point, True))
+    end = reach // a * a
+    if shape.bridge_start(reach) and (not points or points[-1][0] < end):
+        points.append((end, False))
     return points
 
 
@@ -124,8 +129,8 @@ class LandingTier(HostTier):
     def store(self, released: ReleasedBlocks) -> None:
         offered = sum(len(ix) for ix in released.cached)
         new: list[BlockHash] = []
-        for point in landing_points(self.shape, released):
-            key = self._add_point(released.hashes, point)
+        for point, with_tails in landing_points(self.shape, released):
+            key = self._add_point(released.hashes, point, with_tails)
             if key is not None:
                 new.append(key)
         protected = set(new)
@@ -144,8 +149,10 @@ class LandingTier(HostTier):
         if key in self._points:
             self._points.move_to_end(key)
 
-    def _add_point(self, hashes: Sequence[BlockHash], point: int) -> BlockHash | None:
-        """Anchor the point at ``point``; return its key if it is new (else refresh it)."""
+    def _add_point(self, hashes: Sequence[BlockHash], point: int, with_tails: bool,
+                   ) -> BlockHash | None:
+        """Anchor the point at ``point`` (``with_tails`` false: a bridge point, landed by
+        the chain alone); return its key if it is new (else refresh it)."""
         hb, a = self.shape.hash_block_size, self.shape.alignment_tokens
         key = hashes[point // hb - 1]
         if key in self._points:
@@ -162,7 +169,7 @@ class LandingTier(HostTier):
                     break
                 self._add_segment(hashes, q, seg)
                 q -= a
-        tails = tuple(self.shape.landing_keys(hashes, point))
+        tails = tuple(self.shape.landing_keys(hashes, point)) if with_tails else ()
         for tail in tails:
             refs = self._tails.get(tail, 0)
             self._tails[tail] = refs + 1
@@ -214,7 +221,7 @@ class LandingTier(HostTier):
     # --------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
         expected: dict[BlockHash, int] = dict(self._points_here)
-        for seg, parent in self._parent.items():
+        for parent in self._parent.values():
             if parent is not None:
                 expected[parent] = expected.get(parent, 0) + 1
         if self._segment_blocks:

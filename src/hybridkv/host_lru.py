@@ -126,9 +126,9 @@ class BlockLRUTier(HostTier):
             if len(pool) > self._capacity[id(pool)]:
                 raise InvariantViolation(f"host pool holds {len(pool)} blocks, capacity "
                                          f"{self._capacity[id(pool)]}")
-        if self._state is not self._kv:
-            if any(k[0] not in self._full_ids for k in self._kv) or \
-                    any(k[0] in self._full_ids for k in self._state):
-                raise InvariantViolation("a host block sits in the other kind's pool")
+        if self._state is not self._kv and (
+                any(k[0] not in self._full_ids for k in self._kv)
+                or any(k[0] in self._full_ids for k in self._state)):
+            raise InvariantViolation("a host block sits in the other kind's pool")
         if self.used_blocks > self.capacity_blocks:
             raise InvariantViolation("host holds more blocks than its capacity")

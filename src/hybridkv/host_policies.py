@@ -47,9 +47,9 @@ HOST_POLICIES: dict[str, Callable[[HostShape, int, str | None], HostTier]] = {
 def check_host_policy(name: str) -> None:
     """Raise ``ConfigError`` unless ``name`` is a host policy (before a run starts).
 
-    >>> check_host_policy("lru-split:2")
+    >>> check_host_policy("lru-split:2")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    hybridkv.errors.ConfigError: --host-policy='lru-split:2' is invalid: give the state share as a number in [0, 1], e.g. lru-split:0.5
+    hybridkv.errors.ConfigError: --host-policy='lru-split:2' is invalid: give the state ...
     """
     from hybridkv.host_tier import HostGroup  # a one-group shape: names only
 

@@ -88,6 +88,10 @@ class HostShape:
     hash_block_size: int
     alignment_tokens: int
     block_bytes: int
+    bridge_tokens: int | None = None
+    """Window-recompute bridges (``+recompute``): a hit may land at ``s`` on the
+    full-attention chain alone when it reaches ``F ≥ s + bridge_tokens`` (the window layers
+    recompute ``[s, F)`` reading the chain); ``None``: no bridges."""
 
     def block_hash(self, hashes: Sequence[BlockHash], group: HostGroup, index: int,
                    ) -> BlockHash:
@@ -104,13 +108,26 @@ class HostShape:
 
     @classmethod
     def of(cls, config: CacheConfig, managers: Sequence[GroupManager],
-           alignment_tokens: int) -> HostShape:
+           alignment_tokens: int, bridge_tokens: int | None = None) -> HostShape:
         """The shape of a manager's groups (ring buffers, never prefix-cached, left out)."""
         groups = tuple(
             HostGroup(m.group_id, m.block_size,
                       None if m.is_full_attention else m.max_hit_tail_blocks())
             for m in managers if is_prefix_cacheable(m.spec))
-        return cls(groups, config.hash_block_size, alignment_tokens, config.bytes_per_block)
+        return cls(groups, config.hash_block_size, alignment_tokens, config.bytes_per_block,
+                   bridge_tokens)
+
+    def bridge_start(self, full_tokens: int) -> int:
+        """Where a bridge hit on a chain of ``full_tokens`` lands (0: none).
+
+        >>> full = HostGroup(GroupId(0), 4, None)
+        >>> HostShape((full,), 4, 4, 1, bridge_tokens=8).bridge_start(30)
+        20
+        """
+        if self.bridge_tokens is None or not self.full_groups:
+            return 0
+        a = self.alignment_tokens
+        return max(0, (full_tokens // a * a - self.bridge_tokens) // a * a)
 
     def landing_keys(self, hashes: Sequence[BlockHash], point: int) -> list[HostKey]:
         """The non-full groups' blocks a hit at ``point`` needs (tails ending there)."""
@@ -124,10 +141,12 @@ class HostShape:
 
 @dataclass(frozen=True, slots=True)
 class HostHit:
-    """A hit that reaches past the GPU hit: its length and the host blocks it reads."""
+    """A hit that reaches past the GPU hit: its length and the host blocks it reads (a
+    bridge hit also reads the chain up to ``full_attention_tokens``)."""
 
     num_tokens: int
     loaded: tuple[HostKey, ...]
+    full_attention_tokens: int = 0
 
 
 def _full_prefix_tokens(shape: HostShape, hashes: Sequence[BlockHash], resident: Resident,
@@ -154,16 +173,20 @@ def find_host_hit(shape: HostShape, hashes: Sequence[BlockHash], on_gpu: Residen
     a = shape.alignment_tokens
     cap = min(max_tokens, len(hashes) * shape.hash_block_size)
     reach = _full_prefix_tokens(shape, hashes, either, cap) // a * a
+    bridge = shape.bridge_start(reach)
     point = reach
-    while point > gpu_hit_tokens:
+    while point > max(gpu_hit_tokens, bridge):
         if all(either(g, h) for g, h in shape.landing_keys(hashes, point)):
             return HostHit(point, tuple(_loaded(shape, hashes, point, gpu_hit_tokens, on_gpu)))
         point -= a
+    if bridge > gpu_hit_tokens:  # the chain alone: the window layers recompute [s, F)
+        loaded = _loaded(shape, hashes, reach, gpu_hit_tokens, on_gpu, tails=False)
+        return HostHit(bridge, tuple(loaded), reach)
     return None
 
 
 def _loaded(shape: HostShape, hashes: Sequence[BlockHash], point: int, gpu_hit_tokens: int,
-            on_gpu: Resident) -> list[HostKey]:
+            on_gpu: Resident, *, tails: bool = True) -> list[HostKey]:
     """The blocks a hit at ``point`` reads from the host: those not on the GPU (the GPU
     hit's own full-attention blocks, before ``gpu_hit_tokens``, are on the GPU)."""
     loaded: list[HostKey] = []
@@ -172,7 +195,8 @@ def _loaded(shape: HostShape, hashes: Sequence[BlockHash], point: int, gpu_hit_t
             key = (group.group_id, shape.block_hash(hashes, group, index))
             if not on_gpu(*key):
                 loaded.append(key)
-    loaded.extend(key for key in shape.landing_keys(hashes, point) if not on_gpu(*key))
+    if tails:
+        loaded.extend(key for key in shape.landing_keys(hashes, point) if not on_gpu(*key))
     return loaded
 
 

@@ -27,7 +27,14 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.host_policies import make_host_tier
-from hybridkv.host_tier import HostGroup, HostHit, HostShape, HostTier, ReleasedBlocks
+from hybridkv.host_tier import (
+    HostGroup,
+    HostHit,
+    HostShape,
+    HostTier,
+    ReleasedBlocks,
+    Resident,
+)
 from hybridkv.ids import BlockHash, GroupId
 
 POLICIES = ("aware", "lru", "lru-split", "lru-split:0.25")
@@ -49,7 +56,9 @@ def shapes(draw: st.DrawFn) -> HostShape:
         groups.append(HostGroup(GroupId(gid), draw(st.sampled_from((2, 4, 8))),
                                 draw(st.integers(1, 3))))
     sizes = [g.block_size for g in groups]
-    return HostShape(tuple(groups), math.gcd(*sizes), math.lcm(*sizes), 1)
+    a = math.lcm(*sizes)
+    bridge = draw(st.sampled_from((None, a, 2 * a))) if len(groups) > 1 else None
+    return HostShape(tuple(groups), math.gcd(*sizes), a, 1, bridge)
 
 
 def needed(shape: HostShape, point: int) -> list[tuple[GroupId, int]]:
@@ -70,16 +79,29 @@ def check_promotion(shape: HostShape, tier: HostTier, prompt: Sequence[int],
         return all((g, prefix_hash(prompt[:end])) in gpu or tier.holds(g, prefix_hash(
             prompt[:end])) for g, end in needed(shape, point))
 
+    def chain(point: int) -> bool:
+        return all((g, prefix_hash(prompt[:end])) in gpu or tier.holds(g, prefix_hash(
+            prompt[:end])) for g, end in needed(shape, point) if g == GroupId(0))
+
     a = shape.alignment_tokens
     top = (len(prompt) - 1) // a * a
     best = next((p for p in range(top, gpu_hit, -a) if served(p)), None)
+    reach = next(p for p in range(top, -1, -a) if chain(p))  # 0 is always a chain
+    bridge = 0 if shape.bridge_tokens is None else max(0, reach - shape.bridge_tokens)
+    if bridge > max(gpu_hit, best or 0):
+        best = bridge
     if hit is None:
         assert best is None, f"missed a host hit at {best}"
         return
     p = hit.num_tokens
     assert p % a == 0 and gpu_hit < p <= len(prompt) - 1
     assert p == best, f"hit {p}, longest servable {best}"
-    want = {(g, prefix_hash(prompt[:end])) for g, end in needed(shape, p)} - gpu
+    if hit.full_attention_tokens:  # a bridge: the chain to F is read, no tail
+        assert p == bridge and hit.full_attention_tokens == reach
+        needs = [(g, end) for g, end in needed(shape, reach) if g == GroupId(0)]
+    else:
+        needs = needed(shape, p)
+    want = {(g, prefix_hash(prompt[:end])) for g, end in needs} - gpu
     assert set(hit.loaded) == want, "loaded blocks differ from the needed ones off the GPU"
     for g, h in hit.loaded:
         assert tier.holds(g, h), "a loaded block is not on the host"
@@ -124,7 +146,7 @@ def test_random_stores_and_lookups(shape: HostShape, policy: str, capacity: int,
         else:
             hashes = hashes_of(prompt, shape.hash_block_size)
             gpu_hit = 0  # the GPU's own hit is the manager's business: start from 0
-            hit = tier.longest_hit(hashes, lambda g, h: (g, h) in gpu,
+            hit = tier.longest_hit(hashes, _member_of(frozenset(gpu)),
                                    gpu_hit_tokens=gpu_hit, max_tokens=len(prompt) - 1)
             check_promotion(shape, tier, prompt, gpu, gpu_hit, hit)
             event("host hit" if hit is not None else "no host hit")
@@ -135,14 +157,20 @@ def test_random_stores_and_lookups(shape: HostShape, policy: str, capacity: int,
         assert_no_dead_content(tier, shape)
 
 
+def _member_of(keys: frozenset[tuple[GroupId, BlockHash]]) -> Resident:
+    return lambda g, h: (g, h) in keys
+
+
 def assert_no_dead_content(tier: HostTier, shape: HostShape) -> None:
     """Every block ``aware`` holds belongs to a landing point that is a host-only hit."""
     points = tier._points  # type: ignore[attr-defined]
     for key in points:
         prompt = list(key[1:])
-        hit = tier.longest_hit(hashes_of(prompt + [0], shape.hash_block_size),
+        hit = tier.longest_hit(hashes_of([*prompt, 0], shape.hash_block_size),
                                lambda g, h: False, gpu_hit_tokens=0, max_tokens=len(prompt))
-        assert hit is not None and hit.num_tokens == len(prompt), \
+        land = shape.bridge_start(len(prompt)) if not points[key] and \
+            shape.tail_groups else len(prompt)
+        assert hit is not None and hit.num_tokens >= land, \
             f"held point at {len(prompt)} is no host-only hit"
 
 
@@ -173,7 +201,7 @@ def test_oracle_catches_a_tail_cut_short(monkeypatch: pytest.MonkeyPatch) -> Non
         else max(0, min(self.tail_blocks, n // self.block_size) - 1)))
     hit = tier.longest_hit(hashes_of(prompt[:7], 2), lambda g, h: False, gpu_hit_tokens=0,
                            max_tokens=6)
-    with pytest.raises(AssertionError, match="longest servable|loaded blocks"):
+    with pytest.raises(AssertionError, match=r"longest servable|loaded blocks"):
         check_promotion(shape, tier, prompt[:7], set(), 0, hit)
 
 

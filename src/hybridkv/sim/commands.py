@@ -33,9 +33,9 @@ from hybridkv.sim.admission import parse_admissions
 from hybridkv.sim.bound import AdmissionLog, BoundShape, offline_optimum
 from hybridkv.sim.bound_share import BoundBroker, BoundKeys, BoundPair, set_bounds, shared_bounds
 from hybridkv.sim.ceiling import infinite_cache_ceiling
+from hybridkv.sim.host_replay import resolve_host_memory
 from hybridkv.sim.limits import check_pool_fits
 from hybridkv.sim.loaders import load_trace
-from hybridkv.sim.host_replay import resolve_host_memory
 from hybridkv.sim.model import ModelShape, load_model, num_blocks_for_memory, parse_size
 from hybridkv.sim.outputs import StagedOutputs, check_output_paths
 from hybridkv.sim.replay import (

@@ -41,7 +41,8 @@ class HostLink:
                     ) -> HostLink:
         """A ``policy`` tier of ``capacity_bytes`` (whole blocks) behind ``manager``."""
         coordinator = manager.coordinator
-        shape = HostShape.of(manager.config, coordinator.managers, coordinator.alignment_tokens)
+        shape = HostShape.of(manager.config, coordinator.managers, coordinator.alignment_tokens,
+                             coordinator.bridge_tokens if manager.recompute else None)
         return cls(make_host_tier(policy, shape, capacity_bytes // shape.block_bytes))
 
     def lookup(self, manager: KVCacheManager, hashes: Sequence[BlockHash],
@@ -98,13 +99,14 @@ class HostLink:
 
 def resolve_host_memory(value: str | None, policy: str, config: CacheConfig) -> int:
     """``--host-memory`` in bytes: a size (``64GiB``) or a multiple of the GPU pool's bytes
-    (``8x``); at least one block. Checks ``--host-policy`` too (one line, exit 2).
+    (``8x`` = 8 × blocks × bytes per block, as the report states the pool); at least one
+    block. Checks ``--host-policy`` too (one line, exit 2).
 
     >>> from hybridkv.config import CacheConfig
     >>> from hybridkv.specs import FullAttentionSpec
     >>> config = CacheConfig.from_layers([FullAttentionSpec(16, 64)], num_blocks=11)
     >>> resolve_host_memory("8x", "aware", config), resolve_host_memory("1MiB", "lru", config)
-    (81920, 1048576)
+    (90112, 1048576)
     """
     if value is None:
         return 0

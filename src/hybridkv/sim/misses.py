@@ -38,9 +38,9 @@ from dataclasses import dataclass, fields
 
 from hybridkv.cache import Allocation, KVCacheManager, PrefixHit
 from hybridkv.config import CacheConfig
+from hybridkv.host_tier import HostHit
 from hybridkv.ids import BlockHash, ReqId
 from hybridkv.sim.bound import AdmissionLog
-from hybridkv.host_tier import HostHit
 from hybridkv.sim.host_replay import HostLink
 
 MISS_CAUSES = ("cold", "evicted", "tail", "alignment", "admission", "host_evicted")

@@ -18,9 +18,9 @@ from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
 from hybridkv.errors import HybridKVError, InvariantViolation, PoolTooSmallError
 from hybridkv.hashing import BlockHasher
+from hybridkv.host_tier import HostReport
 from hybridkv.ids import BlockHash
 from hybridkv.sim.bound import AdmissionLog, BoundShape
-from hybridkv.host_tier import HostReport
 from hybridkv.sim.bound_share import set_bounds, shared_bounds
 from hybridkv.sim.host_replay import HostLink
 from hybridkv.sim.misses import MissCauses, ObservedManager

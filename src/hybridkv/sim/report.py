@@ -134,8 +134,9 @@ def host_line(result: RunResult) -> str | None:
     prompt = result.prompt_tokens or 1
     gib = float(1 << 30)
     return (f"host tier {host.policy} ({host.capacity_bytes / gib:,.1f} GiB) under "
-            f"{result.policy}: hit rate GPU {100 * (result.hit_tokens - host.hit_tokens) / prompt:.2f}%"
-            f" + host {100 * host.hit_tokens / prompt:.2f}% = {100 * result.hit_rate:.2f}%; "
+            f"{result.policy}: hit rate GPU "
+            f"{100 * (result.hit_tokens - host.hit_tokens) / prompt:.2f}% + host "
+            f"{100 * host.hit_tokens / prompt:.2f}% = {100 * result.hit_rate:.2f}%; "
             f"moved GPU→host {host.stored_bytes / gib:,.1f} GiB, host→GPU "
             f"{host.loaded_bytes / gib:,.1f} GiB; held KV {host.kv_bytes / gib:,.1f} GiB, "
             f"state {host.state_bytes / gib:,.1f} GiB; evicted {host.evicted_blocks:,} blocks, "
