@@ -19,10 +19,12 @@ A released request offers the points where its own blocks let a hit land (those 
 retention policy kept the tails of; every aligned point on a pure full-attention model),
 shallowest first, so its deepest point is the most recent.
 
+When even an empty host cannot take all of a request's points, its deepest go first: it
+keeps the longest prefix of its landing units that fits.
+
 Worked example (one full group, one recurrent group, blocks = alignment = 4 tokens): a
-12-token request released with checkpoints at 8 and 12 stores 3 segments + 2 checkpoints
-(5 blocks); with room for 4, the point at 8 (the older) goes: its checkpoint only, the
-segments stay anchored by the point at 12.
+12-token request released with checkpoints at 8 and 12 offers 3 segments + 2 checkpoints
+(5 blocks); with room for 4 it keeps the point at 8 (2 segments + its checkpoint).
 
 >>> from hybridkv.host_tier import HostGroup, HostShape, ReleasedBlocks
 >>> from hybridkv.ids import BlockHash, GroupId
@@ -31,7 +33,7 @@ segments stay anchored by the point at 12.
 >>> h = [BlockHash(bytes([i])) for i in range(3)]
 >>> tier.store(ReleasedBlocks(h, ([0, 1, 2], [1, 2]), 12))
 >>> tier.used_blocks, tier.holds(GroupId(1), h[1]), tier.holds(GroupId(1), h[2])
-(4, False, True)
+(3, True, False)
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ class LandingTier(HostTier):
             victim = next(k for k in self._points if k not in protected)
             self._remove_point(victim)
         while self.used_blocks > self.capacity_blocks and new:
-            self._remove_point(new.pop(0), evicted=False)  # its own shallowest first
+            self._remove_point(new.pop(), evicted=False)  # its own deepest first
         kept = sum(self.holds(g.group_id, self.shape.block_hash(released.hashes, g, i))
                    for g, ix in zip(self.shape.groups, released.cached, strict=True)
                    for i in ix)

@@ -149,7 +149,7 @@ class HostHit:
     full_attention_tokens: int = 0
 
 
-def _full_prefix_tokens(shape: HostShape, hashes: Sequence[BlockHash], resident: Resident,
+def full_prefix_tokens(shape: HostShape, hashes: Sequence[BlockHash], resident: Resident,
                         max_tokens: int) -> int:
     """Tokens of ``[0, max_tokens)`` every full-attention group holds (GPU ∪ host)."""
     reach = max_tokens
@@ -172,7 +172,7 @@ def find_host_hit(shape: HostShape, hashes: Sequence[BlockHash], on_gpu: Residen
 
     a = shape.alignment_tokens
     cap = min(max_tokens, len(hashes) * shape.hash_block_size)
-    reach = _full_prefix_tokens(shape, hashes, either, cap) // a * a
+    reach = full_prefix_tokens(shape, hashes, either, cap) // a * a
     bridge = shape.bridge_start(reach)
     point = reach
     while point > max(gpu_hit_tokens, bridge):
@@ -275,6 +275,16 @@ class HostTier(ABC):
         """``find_host_hit`` against this tier. Does not modify."""
         return find_host_hit(self.shape, hashes, on_gpu, self.holds,
                              gpu_hit_tokens=gpu_hit_tokens, max_tokens=max_tokens)
+
+    def full_reach(self, hashes: Sequence[BlockHash], on_gpu: Resident, max_tokens: int,
+                   ) -> int:
+        """Tokens of ``[0, max_tokens)`` the full-attention groups hold on GPU ∪ host (the
+        ``F`` of the miss causes). Does not modify."""
+        def either(group_id: GroupId, block_hash: BlockHash) -> bool:
+            return on_gpu(group_id, block_hash) or self.holds(group_id, block_hash)
+
+        return full_prefix_tokens(self.shape, hashes, either, min(
+            max_tokens, len(hashes) * self.shape.hash_block_size))
 
     def promote(self, hashes: Sequence[BlockHash], hit: HostHit, gpu_hit_tokens: int) -> None:
         """Count a hit served (first admission) and its copies; refresh recency."""

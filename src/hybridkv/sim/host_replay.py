@@ -11,8 +11,10 @@ manager (``ObservedManager``) asks it at a first admission and hands it at a rel
 - **Release** (finish or preemption): the request's cached blocks are offered to the tier
   (``ReleasedBlocks``), which keeps what its policy keeps.
 
-Miss causes gain ``host_evicted``: an ``evicted`` miss whose first missing full-attention
-block had been held by the host too (``HostTier.ever_stored``).
+Miss causes count GPU ∪ host: ``F`` is the chain's reach on either (so a chain the host
+holds without a landing state is a ``tail`` miss), and they gain ``host_evicted``: an
+``evicted`` miss whose first missing full-attention block had been held by the host too
+and was dropped there (``HostTier.ever_stored``).
 """
 
 from __future__ import annotations
@@ -46,16 +48,19 @@ class HostLink:
         return cls(make_host_tier(policy, shape, capacity_bytes // shape.block_bytes))
 
     def lookup(self, manager: KVCacheManager, hashes: Sequence[BlockHash],
-               gpu_hit_tokens: int, num_prompt_tokens: int) -> HostHit | None:
+               gpu_hit_tokens: int, num_prompt_tokens: int) -> tuple[HostHit | None, int]:
         """Before a first admission's allocation: a hit past the GPU's, if the tier has one
-        (capped at the last prompt token). Does not modify."""
+        (capped at the last prompt token), and the full-attention chain's reach on GPU ∪
+        host (for the miss causes). Does not modify."""
         pool = manager.pool
 
         def on_gpu(group_id: GroupId, block_hash: BlockHash) -> bool:
             return block_hash in pool.group_index(group_id)
 
-        return self.tier.longest_hit(hashes, on_gpu, gpu_hit_tokens=gpu_hit_tokens,
-                                     max_tokens=num_prompt_tokens - 1)
+        cap = num_prompt_tokens - 1
+        return (self.tier.longest_hit(hashes, on_gpu, gpu_hit_tokens=gpu_hit_tokens,
+                                      max_tokens=cap),
+                self.tier.full_reach(hashes, on_gpu, cap))
 
     def promote(self, req_id: ReqId, hashes: Sequence[BlockHash], hit: HostHit,
                 gpu_hit_tokens: int) -> None:

@@ -147,8 +147,9 @@ class ObservedManager(KVCacheManager):
         self.host: HostLink | None = None
         """A host tier behind the pool (``hybridkv.sim.host_replay``), set before the
         first request: first admissions also look there, releases offer it their blocks."""
-        self._host_hit: dict[ReqId, tuple[HostHit, int]] = {}
-        """Per request being admitted, a host hit past its GPU hit (and the GPU hit)."""
+        self._host_hit: dict[ReqId, tuple[HostHit | None, int, int]] = {}
+        """Per request being admitted: a host hit past its GPU hit (or ``None``), the GPU
+        hit, and the full-attention reach on GPU ∪ host."""
 
     @property
     def misses(self) -> MissCauses:
@@ -177,10 +178,9 @@ class ObservedManager(KVCacheManager):
         host = self.host
         if host is not None and admitting and req_id not in self._admitted and hit is not None:
             state = self._requests[req_id]
-            found = host.lookup(self, state.block_hashes, hit.num_tokens,
-                                state.num_prompt_tokens)
-            if found is not None:
-                self._host_hit[req_id] = (found, hit.num_tokens)
+            found, reach = host.lookup(self, state.block_hashes, hit.num_tokens,
+                                       state.num_prompt_tokens)
+            self._host_hit[req_id] = (found, hit.num_tokens, reach)
         allocation = super().allocate_slots(req_id, num_new_tokens, hit,
                                             num_lookahead_tokens=num_lookahead_tokens,
                                             reserve_full_prompt=reserve_full_prompt)
@@ -249,11 +249,12 @@ class ObservedManager(KVCacheManager):
         looked_hit, resident = self._lookup.pop(req_id, (hit_tokens, hit_tokens))
         if looked_hit != hit_tokens:  # the hit came from elsewhere: no full-attention answer
             resident = hit_tokens
-        host_hit = self._host_hit.pop(req_id, None)
+        host_hit, gpu_hit, host_reach = self._host_hit.pop(req_id, (None, 0, 0))
         if host_hit is not None and self.host is not None:  # promoted: reached further
-            self.host.promote(req_id, hashes, *host_hit)
-            hit_tokens = host_hit[0].num_tokens
+            self.host.promote(req_id, hashes, host_hit, gpu_hit)
+            hit_tokens = host_hit.num_tokens
             resident = max(resident, hit_tokens)
+        resident = max(resident, host_reach)
         was_cached = was_on_host = False
         a = self.coordinator.alignment_tokens
         reachable = min((num_seen * hb // a) * a, ((state.num_prompt_tokens - 1) // a) * a)
