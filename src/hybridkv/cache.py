@@ -35,20 +35,16 @@ from hybridkv.errors import (
     StaleHitError,
     UnknownRequestError,
 )
-from hybridkv.eviction import EvictionOptions, EvictionPolicy, parse_eviction
+from hybridkv.eviction import EvictionOptions, EvictionPolicy
 from hybridkv.hashing import BlockHasher, ExtraKeys
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers import coarse_hashes
-from hybridkv.managers.recurrent import (
-    CHUNK_CHECKPOINTS,
-    branch_unit_tokens,
-    parse_checkpoint_policy,
-)
 from hybridkv.policies import (
+    PolicySpec,
     PrependPolicy,
     RetentionPolicy,
-    make_retention_policy,
-    split_policy_name,
+    branch_unit_tokens,
+    policy_name,
 )
 from hybridkv.pool import BlockPool
 from hybridkv.results import Allocation, PrefillPlan, PrefixHit
@@ -85,7 +81,9 @@ class KVCacheManager:
 
     Args:
         config: the cache configuration (groups, pool size, hashing, EAGLE).
-        retention: a ``RetentionPolicy`` or its name (default ``"latest"``).
+        retention: a ``RetentionPolicy``, a ``PolicySpec`` or a policy string
+            (``PolicySpec.parse``; default ``"latest"``).
+        eviction: the eviction options when the policy names none (default ``lru``).
         enable_kv_cache_events: record KV events (vLLM 0.33's ``BlockStored`` /
             ``BlockRemoved`` / ``AllBlocksCleared``, plus per-group residency) for
             ``take_events``; needs the ``events`` extra (msgspec). Off: no cost beyond one
@@ -96,26 +94,20 @@ class KVCacheManager:
     tables cover at least its computed tokens.
     """
 
-    def __init__(self, config: CacheConfig, retention: RetentionPolicy | str = "latest",
+    def __init__(self, config: CacheConfig,
+                 retention: RetentionPolicy | PolicySpec | str = "latest",
                  eviction: EvictionOptions | None = None, *,
                  enable_kv_cache_events: bool = False) -> None:
-        self.recompute = False
-        """Window-recompute partial hits (policy modifier ``+recompute``)."""
-        self.checkpoints = CHUNK_CHECKPOINTS
-        """Where recurrent groups write checkpoints (modifier ``+ckpt:chunk|block``)."""
-        if isinstance(retention, str):
-            retention_name, modifiers = split_policy_name(retention)
-            policy = make_retention_policy(retention_name)
-            self.recompute = "recompute" in modifiers
-            modifiers = [m for m in modifiers if m != "recompute"]
-            checkpoints = [m for m in modifiers if m.startswith("ckpt:")]
-            modifiers = [m for m in modifiers if not m.startswith("ckpt:")]
-            if checkpoints:
-                self.checkpoints = parse_checkpoint_policy(checkpoints[-1])
-            if modifiers:
-                eviction = parse_eviction(modifiers)
+        spec = PolicySpec.parse(retention) if isinstance(retention, str) else retention
+        if isinstance(spec, PolicySpec):
+            policy = spec.retention_policy()
+            eviction = spec.eviction or eviction
         else:
-            policy = retention
+            policy, spec = spec, PolicySpec(spec.name)
+        self.recompute = spec.recompute
+        """Window-recompute partial hits (policy modifier ``+recompute``)."""
+        self.checkpoints = spec.checkpoints
+        """Where recurrent groups write checkpoints (modifier ``+ckpt:chunk|block|branch``)."""
         eviction = eviction or EvictionOptions()
         if not config.enable_caching:
             policy = PrependPolicy()  # nothing is hashed: every freed block is scratch
@@ -126,12 +118,7 @@ class KVCacheManager:
         self.config = config
         self.retention = policy
         self.eviction = eviction
-        self.policy_name = policy.name if eviction.name == "lru" else \
-            f"{policy.name}+{eviction.name}"
-        if self.recompute:
-            self.policy_name += "+recompute"
-        if self.checkpoints != CHUNK_CHECKPOINTS:
-            self.policy_name += f"+{self.checkpoints}"
+        self.policy_name = policy_name(policy.name, eviction, self.recompute, self.checkpoints)
         chain_group = next((g.group_id for g in config.groups  # compressed kinds too
                             if isinstance(g.spec, FullAttentionSpec)), None)
         self.pool = _make_pool(config, eviction, chain_group)
