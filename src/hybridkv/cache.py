@@ -35,6 +35,7 @@ from hybridkv.errors import (
     StaleHitError,
     UnknownRequestError,
 )
+from hybridkv.event_hook import EventRecorder, RequestContext
 from hybridkv.eviction import EvictionOptions, EvictionPolicy
 from hybridkv.hashing import BlockHasher, ExtraKeys
 from hybridkv.ids import BlockHash, GroupId, ReqId
@@ -51,11 +52,10 @@ from hybridkv.results import Allocation, PrefillPlan, PrefixHit
 from hybridkv.specs import FullAttentionSpec
 from hybridkv.stats import PrefixCacheStats
 from hybridkv.tokens import RequestTokens
-from hybridkv.views import CachedBlock, CacheSnapshot, GroupUsage
+from hybridkv.views import CacheSnapshot, take_snapshot
 
 if TYPE_CHECKING:
-    from hybridkv.events.log import EventLog
-    from hybridkv.events.schema import KVEvent
+    from hybridkv.event_hook import KVEvent
 
 __all__ = ["Allocation", "KVCacheManager", "PrefillPlan", "PrefixHit"]
 """The result types live in ``results.py``; importable from here as before."""
@@ -147,7 +147,7 @@ class KVCacheManager:
         self.manager_seconds = self.hash_seconds = 0.0
         """``clock`` time spent inside lookup/allocate/free (prompt hashing excluded), and
         hashing prompts in ``add_request`` (vLLM does it in its Request)."""
-        self._event_log: EventLog | None = None
+        self._event_log: EventRecorder | None = None
         if enable_kv_cache_events:
             self.start_kv_cache_events()
 
@@ -166,7 +166,7 @@ class KVCacheManager:
             raise ConfigError("enable_kv_cache_events", True,
                               f"KV events need msgspec: pip install 'hybridkv[events]' "
                               f"({err})") from err
-        self._event_log = make_event_log(self)
+        self._event_log = make_event_log(self.config, self.coordinator, self.hasher.block_size)
         self.pool.event_records = self._event_log.records
 
     @property
@@ -363,7 +363,6 @@ class KVCacheManager:
         return Allocation(num_computed, num_new_tokens, num_hit, tuple(new_blocks))
 
     def _flush_events(self, req_id: ReqId, state: _RequestState) -> None:
-        from hybridkv.events.log import RequestContext
         assert self._event_log is not None
         self._event_log.flush(RequestContext(req_id, state.block_hashes, state.token_ids,
                                              state.extra_keys, state.session_id))
@@ -510,30 +509,7 @@ class KVCacheManager:
     def snapshot(self) -> CacheSnapshot:
         """A frozen copy of the cache's state: every cached block (group, hash, holders,
         free queue), the free-queue order allocation follows, per-group usage. O(pool)."""
-        pool = self.pool
-        queue_names = ("dead", "free", "protected", "session", "pinned")
-        cached: list[CachedBlock] = []
-        cached_by_group = [0] * len(self.config.groups)
-        cached_free_by_group = [0] * len(self.config.groups)
-        for block in pool.blocks:
-            if block.block_hash is None or block.hash_group_id is None:
-                continue
-            group_id = block.hash_group_id
-            queue = None if block.queue_id is None else queue_names[block.queue_id]
-            cached.append(CachedBlock(block.block_id, group_id, block.block_hash,
-                                      block.ref_count, queue))
-            cached_by_group[group_id] += 1
-            if block.ref_count == 0:
-                cached_free_by_group[group_id] += 1
-        groups = tuple(
-            GroupUsage(group.group_id, group.spec.kind,
-                       len({b.block_id for table in manager.tables.values()
-                            for b in table if not b.is_null}),
-                       cached_by_group[group.group_id], cached_free_by_group[group.group_id])
-            for group, manager in zip(self.config.groups, self.coordinator.managers,
-                                      strict=True))
-        return CacheSnapshot(pool.epoch, pool.num_blocks, pool.num_free_blocks,
-                             tuple(pool.free_queue_order()), tuple(cached), groups)
+        return take_snapshot(self.pool, self.config.groups, self.coordinator.managers)
 
     # --------------------------------------------------------------- queries
     def get_block_ids(self, req_id: ReqId) -> tuple[tuple[int, ...], ...]:

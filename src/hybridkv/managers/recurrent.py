@@ -36,13 +36,12 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from hybridkv.block import Block
-from hybridkv.config import CacheGroup
 from hybridkv.errors import InvariantViolation
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers.base import GroupManager, blocks_in_every_group
 from hybridkv.policies import RetentionPolicy
 from hybridkv.pool import BlockPool, FreeTier
-from hybridkv.specs import LayerSpec, RecurrentStateSpec
+from hybridkv.specs import CacheGroup, LayerSpec, RecurrentStateSpec
 
 
 class RecurrentStateManager(GroupManager):
