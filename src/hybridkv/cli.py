@@ -26,6 +26,7 @@ from hybridkv.argtypes import non_empty_str, non_negative_float, positive_int
 from hybridkv.cluster.command import add_cluster_arguments, cmd_cluster
 from hybridkv.cluster.report import CLUSTER_HELP
 from hybridkv.errors import ConfigError, HybridKVError
+from hybridkv.native import core_line
 from hybridkv.policies import CORE_POLICIES
 from hybridkv.sim.admission import ORDERS
 from hybridkv.sim.commands import (
@@ -273,7 +274,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "replay": cmd_replay, "sweep": cmd_sweep, "check-trace": cmd_check_trace,
                 "verify": _cmd_verify, "cluster": cmd_cluster,
             }
-            return commands[args.command](args, console, err_console)
+            status = commands[args.command](args, console, err_console)
+            if status == 0:  # the report's last line: which core ran (a speed figure's "on what")
+                console.print(core_line(), highlight=False, markup=False)
+            return status
     except HybridKVError as err:
         print(f"{name}: error: {_one_line(str(err))}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -225,6 +225,25 @@ def select() -> Selection:
     return selection
 
 
+def core_line(selection: Selection | None = None) -> str:
+    """The one line every command's report ends with: which core ran, and why.
+
+    >>> core_line(Selection("compiled", "mypyc build 9679ab01799c64044e8410ec"))
+    'core: compiled (mypyc build 9679ab01799c64044e8410ec)'
+    >>> core_line(Selection("pure", "mypyc failed: hybridkv/x.py:1: error: …"))
+    'core: pure Python (mypyc failed; python -m hybridkv.native_build --status)'
+    """
+    chosen = SELECTED if selection is None else selection
+    if chosen is None:
+        return "core: not selected yet"
+    if chosen.mode == "compiled":
+        return f"core: compiled ({chosen.reason})"
+    why = chosen.reason.split(": ", 1)[0].split(" (", 1)[0]
+    if why != chosen.reason:
+        why += "; python -m hybridkv.native_build --status"
+    return f"core: pure Python ({why})"
+
+
 def is_compiled(module: ModuleType) -> bool:
     """Whether ``module`` was loaded from a compiled extension.
 
