@@ -28,7 +28,7 @@ Worked example (``A`` 32, hash blocks of 8, ``n`` 100, ``M`` 72, ``R`` 64, ``F``
 ``h`` 0, the block at 32 was evicted): cold 28, alignment 8, tail 32, evicted 32.
 
 >>> split_miss(100, 0, 72, 32, 32, was_cached=True)
-MissCauses(cold=28, evicted=32, tail=32, alignment=8, admission=0)
+MissCauses(cold=28, evicted=32, tail=32, alignment=8, admission=0, host_evicted=0)
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def split_miss(num_tokens: int, hit_tokens: int, seen_tokens: int, alignment_tok
     32
 
     >>> split_miss(50, 32, 48, 32, 32, was_cached=False)  # resend: R = 32, 2 + 16 missed
-    MissCauses(cold=2, evicted=0, tail=0, alignment=16, admission=0)
+    MissCauses(cold=2, evicted=0, tail=0, alignment=16, admission=0, host_evicted=0)
     """
     a = alignment_tokens
     seen = min(num_tokens, max(seen_tokens, hit_tokens))

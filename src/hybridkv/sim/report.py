@@ -294,13 +294,14 @@ class _SweepColumns:
 
 
 def _shares(row: Mapping[str, object]) -> dict[str, float]:
-    """A sweep row's miss-cause shares of the missed tokens (all 0 when none missed).
+    """A sweep row's miss-cause shares of the missed tokens (all 0 when none missed; a
+    cause a stored row predates counts 0).
 
     >>> _shares({"miss_cold": 1, "miss_evicted": 3, "miss_tail": 0, "miss_alignment": 0,
     ...          "miss_admission": 0})["evicted"]
     0.75
     """
-    missed = {cause: int(str(row[f"miss_{cause}"])) for cause in MISS_CAUSES}
+    missed = {cause: int(str(row.get(f"miss_{cause}", 0))) for cause in MISS_CAUSES}
     total = sum(missed.values())
     return {cause: tokens / total if total else 0.0 for cause, tokens in missed.items()}
 
