@@ -88,6 +88,8 @@ COMPILED_MODULES: tuple[str, ...] = (
     "hybridkv.siblings",
     "hybridkv.coordinator",
     "hybridkv.cache",
+    "hybridkv.results",
+    "hybridkv.probes",
     "hybridkv.managers.base",
     "hybridkv.managers.full",
     "hybridkv.managers.window",
