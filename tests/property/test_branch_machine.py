@@ -325,6 +325,17 @@ TestEagleBranchMachine = EagleBranchMachine.TestCase
 TestEagleBranchMachine.settings = settings(stateful_step_count=200, max_examples=40)
 
 
+CONTENT_CHECKS = (r"snapshot \d+ holds .*, the hit at \d+ needs|hit block \d+ at index \d+ holds"
+                  r"|snapshot at \d+ copies block \d+ holding|copy-on-write from block \d+ holding"
+                  r"|alias \d+ is block \d+ of a prompt")
+"""The oracle's content checks (what a hit or a copy hands out is not the prefix it
+stands for) — and not the drafter check, the maximality check or an invariant: a content
+sabotage in a random run must be caught by one of these. Which one depends on the
+example that meets the sabotage first (a shifted snapshot key may even land on a block
+boundary, and then the aligned hit check sees it); each sabotage also has a scripted
+scenario where exactly one check, with its own message, must fire."""
+
+
 def _sabotaged_run(monkeypatch: pytest.MonkeyPatch, target: object, name: str,
                    replacement: object, *, match: str,
                    machine: type[BranchMachine] = BranchMachine) -> None:
@@ -339,7 +350,7 @@ def _sabotaged_run(monkeypatch: pytest.MonkeyPatch, target: object, name: str,
 
 
 def test_a_snapshot_of_the_wrong_position_is_caught(monkeypatch: pytest.MonkeyPatch,
-                                                   pure_python: None) -> None:
+                                                   pure_python: None, no_events: None) -> None:
     """Sabotage: snapshots keyed one unit early (the state after ``p`` handed out as the
     state after ``p - U``). The content oracle must fail the run."""
     original = BranchSnapshots.take_snapshot
@@ -364,12 +375,18 @@ def test_a_snapshot_of_the_wrong_position_is_caught(monkeypatch: pytest.MonkeyPa
                             junction_tokens)
 
     monkeypatch.setattr(HybridCoordinator, "_snapshot_branch_point", remember)
+    monkeypatch.setattr(BranchSnapshots, "take_snapshot", shifted)
+    with pytest.raises(AssertionError, match=(  # the snapshot at 12 is found at 10
+            r"group 0: snapshot \d+ holds \(0, \(1, 2, 0, 1, 2, 0, 2, 2, 1, 0, 1, 1\)\), "
+            r"the hit at 10 needs")):
+        _drive_copy(BranchMachine())
+    shifted.hashes.clear()  # type: ignore[attr-defined]
     _sabotaged_run(monkeypatch, BranchSnapshots, "take_snapshot", shifted,
-                   match=r"group \d+: snapshot \d+ holds .*, the hit at \d+ needs")
+                   match=CONTENT_CHECKS)
 
 
 def test_a_copy_from_the_wrong_block_is_caught(monkeypatch: pytest.MonkeyPatch,
-                                               pure_python: None) -> None:
+                                               pure_python: None, no_events: None) -> None:
     """Sabotage: the full-attention snapshot copies the block before the one holding
     ``[p // bs * bs, p)``."""
     real = HybridCoordinator._snapshot_branch_point
@@ -388,8 +405,12 @@ def test_a_copy_from_the_wrong_block_is_caught(monkeypatch: pytest.MonkeyPatch,
             return
         real(self, req_id, hashes, num_tokens, num_prompt_tokens, junction_tokens)
 
+    monkeypatch.setattr(HybridCoordinator, "_snapshot_branch_point", wrong_source)
+    with pytest.raises(AssertionError, match=(  # c's block 0 copied instead of its block 1
+            r"c: snapshot at 12 copies block \d+ holding \(0, \(1, 2, 0, 1, 2, 0, 2, 2\)\)")):
+        _drive_copy(BranchMachine())
     _sabotaged_run(monkeypatch, HybridCoordinator, "_snapshot_branch_point", wrong_source,
-                   match=r"snapshot at \d+ copies block \d+ holding")
+                   match=CONTENT_CHECKS)
 
 
 @pytest.fixture
@@ -447,6 +468,21 @@ def _drive_eagle_divergence(machine: EagleBranchMachine) -> None:
     ])
 
 
+def _drive_copy(machine: BranchMachine) -> None:
+    """No EAGLE, block 8, unit 2: ``a`` and ``b`` diverge at 12 (a branch point inside
+    block 1); ``c`` leaves there too, its first chunk ends at 12 and it takes the snapshot
+    — a *copy* of its partial block 1 (its prompt ends at 14). ``e`` agrees with them on
+    ``[0, 10)`` only: its hit is the aligned 8."""
+    _serve_one_by_one(machine, HybridSetup(
+        (FullAttentionSpec(8, 1), RecurrentStateSpec(8, 1)), 64, "latest+ckpt:branch:2",
+        False, None), [
+        ("a", [*SYSTEM, 0, 0, 0]),
+        ("b", [*SYSTEM, 2, 2]),
+        ("c", [*SYSTEM, 1, 1]),
+        ("e", [*SYSTEM[:10], 2, 2, 2]),
+    ])
+
+
 def _drive_alias(machine: BranchMachine) -> None:
     """No EAGLE, block 8, unit 2: ``a`` and ``b`` diverge at 12 (a branch point inside
     block 1); ``c`` leaves there too and its first chunk ends at 12, so it takes the
@@ -469,6 +505,18 @@ def test_the_eagle_scenario_passes_the_oracle(no_events: None) -> None:
     assert machine.manager.coordinator.branch is not None
     assert machine.manager.coordinator.branch.num_snapshots == 1  # c's, at 10
     assert machine.hit_at_admission["e"] == 8  # not 10: e's token 10 differs from c's
+    machine.teardown()
+
+
+def test_the_copy_scenario_passes_the_oracle(no_events: None) -> None:
+    machine = BranchMachine()
+    _drive_copy(machine)
+    assert machine.hit_at_admission["e"] == 8
+    branch = machine.manager.coordinator.branch
+    assert branch is not None and branch.num_snapshots == 1  # c's, at 12
+    hashes = machine.hasher.hash_blocks([*SYSTEM, 1, 1])
+    copy = branch.full_source(hashes[12 // 2 - 1], GroupId(0))
+    assert copy is not None and machine.content.get(copy.block_id) == (0, tuple(SYSTEM))
     machine.teardown()
 
 
