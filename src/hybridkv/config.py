@@ -7,7 +7,7 @@ Worked example (``gemma3-bench``): 8 full-attention and 40 sliding-window layers
 size is the smallest per-type layer count (8), because the largest (40) is at least 1.5x
 of it; so full attention forms 1 group and sliding window ``ceil(40 / 8) = 5`` groups.
 
->>> from hybridkv.specs import SlidingWindowSpec
+>>> from hybridkv.specs import FullAttentionSpec, SlidingWindowSpec
 >>> full = FullAttentionSpec(block_size=16, kv_bytes_per_token=1024)
 >>> swa = SlidingWindowSpec(block_size=16, kv_bytes_per_token=1024, sliding_window=1024)
 >>> groups = plan_cache_groups([full] * 8 + [swa] * 40)
@@ -161,7 +161,7 @@ class CacheConfig:
     def alignment_tokens(self) -> int:
         """Hit alignment ``S``: the lcm of the groups' block sizes.
 
-        >>> from hybridkv.specs import SlidingWindowSpec
+        >>> from hybridkv.specs import FullAttentionSpec, SlidingWindowSpec
         >>> full = FullAttentionSpec(256, 1); swa = SlidingWindowSpec(64, 1, 128)
         >>> CacheConfig.from_layers([full, swa], num_blocks=10).alignment_tokens
         256
