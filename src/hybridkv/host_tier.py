@@ -43,7 +43,6 @@ from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
 from hybridkv.ids import BlockHash, GroupId
 from hybridkv.managers.base import GroupManager
-from hybridkv.specs import is_prefix_cacheable
 
 HostKey = tuple[GroupId, BlockHash]
 """One block on the host: its group and the hash it is cached under."""
@@ -113,7 +112,7 @@ class HostShape:
         groups = tuple(
             HostGroup(m.group_id, m.block_size,
                       None if m.is_full_attention else m.max_hit_tail_blocks())
-            for m in managers if is_prefix_cacheable(m.spec))
+            for m in managers if m.spec.prefix_cacheable)
         return cls(groups, config.hash_block_size, alignment_tokens, config.bytes_per_block,
                    bridge_tokens)
 
