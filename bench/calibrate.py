@@ -258,7 +258,9 @@ def measure(bundle: Bundle, args: argparse.Namespace, quick: bool,
         for arrivals in decode_grid([4, 32], [2048], 78, 4):
             engine_run(bundle, arrivals, args)
     started = time.perf_counter()
-    rows += step_rows(engine_run(bundle, prefill_grid(cached, new, 1), args), "prefill")
+    one = argparse.Namespace(**{**vars(args), "max_running": 1})   # one chunk per step
+    rows += step_rows(engine_run(bundle, prefill_grid(cached, new, 1), one), "prefill")
+    rows += step_rows(engine_run(bundle, prefill_grid(cached[:2], new, 50), args), "mixed")
     for arrivals in decode_grid(batches, contexts, 2, 16):
         rows += step_rows(engine_run(bundle, arrivals, args), "decode")
     print(f"[{bundle.name}] measured {len(rows)} steps in "
@@ -325,8 +327,8 @@ def compare(engine: TimedRun, model: TimedRun) -> dict[str, Any]:
 
 
 SLICES = {  # trace → (max input tokens, calibration count, validation offset, count)
-    "gemma": {"mooncake_synthetic": (16384, 60, 100, 100), "ragpulse": (8192, 120, 400, 200)},
-    "qwen": {"mooncake_synthetic": (8192, 40, 100, 60), "ragpulse": (8192, 80, 400, 120)},
+    "gemma": {"mooncake_synthetic": (16384, 60, 100, 100), "ragpulse": (8192, 80, 400, 150)},
+    "qwen": {"mooncake_synthetic": (8192, 30, 100, 50), "ragpulse": (8192, 60, 400, 100)},
 }
 
 
@@ -405,8 +407,9 @@ def recompute_section(bundle: Bundle, args: argparse.Namespace, quick: bool,
     something other than the tokens it computes)."""
     import admission_ttft as at
 
-    requests = at.load_conversations(at.find_trace(None if not Path(
-        ".devrun/traces/weka_cc_agentic").is_dir() else ".devrun/traces/weka_cc_agentic"),
+    local = next((str(Path(root) / "weka_cc_agentic") for root in TRACE_ROOTS
+                  if (Path(root) / "weka_cc_agentic").is_dir()), None)
+    requests = at.load_conversations(at.find_trace(local),
         conversations=4 if quick else 12, turns=3 if quick else 5,
         max_in=48000, output_tokens=2 if quick else 16, scan=2000, cut=300 if quick else None)
     coefficients = [results["fits"][bundle.name]["coefficients"][n] for n in PARAM_NAMES]
@@ -531,7 +534,7 @@ def main() -> int:
             if name == "gemma" and args.recompute_policies and \
                     time.perf_counter() < started + args.deadline_s:
                 recompute_section(bundle, args, quick, results, save)
-        except Exception:
+        except (Exception, SystemExit):
             traceback.print_exc()
             failures += 1
         finally:

@@ -3,7 +3,7 @@ constructor of a cost model for a preset on a GPU.
 
 >>> eff = load_efficiencies()
 >>> eff.gpu, len(eff.values)
-('h200', 8)
+('h200', 9)
 """
 
 from __future__ import annotations
