@@ -31,6 +31,7 @@ Results (written after every section, so a failure keeps what was measured):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -166,7 +167,13 @@ def engine_run(bundle: Bundle, arrivals: Sequence[tuple[float, SchedRequest]],
         runner.copy_blocks([c for c in copies if c.after_forward])
         return sampled
 
-    return drive(scheduler, [(t, copy_request(r)) for t, r in arrivals], execute, WallClock())
+    requests = [(t, copy_request(r)) for t, r in arrivals]
+    gc.collect()
+    gc.disable()  # no collector pauses inside timed steps (reference counting still frees)
+    try:
+        return drive(scheduler, requests, execute, WallClock())
+    finally:
+        gc.enable()
 
 
 def model_run(cost: StepCostModel, cache: CacheConfig,
@@ -247,16 +254,23 @@ def step_rows(run: TimedRun, source: str) -> list[dict[str, Any]]:
             for _, seconds, chunks in run.steps]
 
 
+def warm_up(bundle: Bundle, args: argparse.Namespace) -> None:
+    """Compile the kernel variants (flex buckets, pointwise shapes, decode), untimed."""
+    started = time.perf_counter()
+    engine_run(bundle, prefill_grid([0, 4096], [300, 700, 1500, 2100, 4200, 8192], 77), args)
+    for arrivals in decode_grid([4, 32], [2048], 78, 4):
+        engine_run(bundle, arrivals, args)
+    print(f"[{bundle.name}] warm-up {time.perf_counter() - started:.1f}s", flush=True)
+
+
 def measure(bundle: Bundle, args: argparse.Namespace, quick: bool,
             save: Callable[[], None], rows: list[dict[str, Any]]) -> None:
     cached = [0, 256] if quick else [0, 2048, 8192, 24576]
     new = [64, 256] if quick else [256, 1024, 4096, 8192]
     batches = [1, 4] if quick else [1, 4, 16, 32]
     contexts = [128] if quick else [1024, 8192, 24576]
-    if not quick:  # warm-up: compile the kernel variants, untimed
-        engine_run(bundle, prefill_grid([0, 4096], [700, 2100, 4200, 8192], 77), args)
-        for arrivals in decode_grid([4, 32], [2048], 78, 4):
-            engine_run(bundle, arrivals, args)
+    if not quick:
+        warm_up(bundle, args)
     started = time.perf_counter()
     one = argparse.Namespace(**{**vars(args), "max_running": 1})   # one chunk per step
     rows += step_rows(engine_run(bundle, prefill_grid(cached, new, 1), one), "prefill")
@@ -327,8 +341,8 @@ def compare(engine: TimedRun, model: TimedRun) -> dict[str, Any]:
 
 
 SLICES = {  # trace → (max input tokens, calibration count, validation offset, count)
-    "gemma": {"mooncake_synthetic": (16384, 60, 100, 100), "ragpulse": (8192, 80, 400, 150)},
-    "qwen": {"mooncake_synthetic": (8192, 30, 100, 50), "ragpulse": (8192, 60, 400, 100)},
+    "gemma": {"mooncake_synthetic": (16384, 60, 100, 100), "ragpulse": (8192, 80, 400, 120)},
+    "qwen": {"mooncake_synthetic": (8192, 30, 100, 50), "ragpulse": (8192, 60, 400, 70)},
 }
 
 
@@ -345,6 +359,17 @@ def slice_requests(model: str, trace: str, part: str, args: argparse.Namespace, 
 def calibrate_model(bundle: Bundle, args: argparse.Namespace, quick: bool,
                     results: dict[str, Any], save: Callable[[], None]) -> None:
     rows: list[dict[str, Any]] = results["steps"].setdefault(bundle.name, [])
+    if args.fit_from:  # steps measured by an earlier run: refit them, compile, validate
+        rows += json.loads(Path(args.fit_from).read_text())["steps"][bundle.name]
+        coefficients, errors = fit(bundle.shape, rows, args.gpu)
+        results["fits"][bundle.name] = {"coefficients": dict(zip(PARAM_NAMES, coefficients,
+                                                                 strict=True)),
+                                        "errors": error_summary(errors),
+                                        "by_source": by_source(rows, errors),
+                                        "from": args.fit_from}
+        if not quick:
+            warm_up(bundle, args)
+        return
     measure(bundle, args, quick, save, rows)
     coefficients, errors = fit(bundle.shape, rows, args.gpu)
     cost = StepCostModel(bundle.shape, args.gpu, Efficiencies(tuple(coefficients), args.gpu))
@@ -499,6 +524,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--recompute-policies",
                         default="latest,interval:32768+predict+recompute")
     parser.add_argument("--recompute-blocks", type=int, default=3000)
+    parser.add_argument("--fit-from", default=None,
+                        help="calibration.json of an earlier run: refit its steps, skip "
+                        "measuring, validate")
     parser.add_argument("--deadline-s", type=float, default=500.0)
     return parser.parse_args()
 

@@ -6,6 +6,8 @@ num_new_tokens)``, some of them sampling. Its time is::
     t = step_s                                   fixed per step (scheduling, launch, sync)
       + seq_layer_s · chunks · layers            per chunk and decoder layer (kernels each
                                                  sequence launches: KV write, gather, attend)
+      + prefill_layer_s · prefill chunks · layers   chunks of more than one token (masks,
+                                                 causal variants, a prefill's own launches)
       + long_chunk_layer_s · long chunks · local layers   chunks of >= 2,048 tokens on
                                                  window / chunked layers (block-sparse path)
       + gemm        · GEMM FLOPs / peak          projections, MLP, LM head
@@ -43,7 +45,7 @@ from hybridkv.errors import ConfigError
 from hybridkv.timing.gpus import GPU, gpu_named
 from hybridkv.timing.shape import ComputeShape
 
-PARAM_NAMES: Final = ("step_s", "seq_layer_s", "long_chunk_layer_s", "gemm", "weights", "attention", "kv",
+PARAM_NAMES: Final = ("step_s", "seq_layer_s", "prefill_layer_s", "long_chunk_layer_s", "gemm", "weights", "attention", "kv",
                       "activations", "scan_s")
 """Coefficient order of ``Efficiencies.values`` and of ``StepCostModel.features``."""
 
@@ -100,9 +102,9 @@ class Efficiencies:
         """Datasheet peaks, no overheads: a lower bound on any step.
 
         >>> Efficiencies.ideal().values
-        (0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0)
+        (0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0)
         """
-        return cls((0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0),
+        return cls((0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0),
                    provenance="datasheet peaks")
 
     def as_dict(self) -> dict[str, float]:
@@ -142,10 +144,10 @@ class StepCostModel:
         >>> from hybridkv.timing.shape import shape_of_engine_gemma1b
         >>> m = StepCostModel(shape_of_engine_gemma1b(), "h200", Efficiencies.ideal())
         >>> [round(x, 6) for x in m.features([Chunk(0, 1, True)])]   # 2.0 GB of weights
-        [1.0, 26.0, 0.0, 2e-06, 0.000417, 0.0, 0.0, 0.0, 0.0]
+        [1.0, 26.0, 0.0, 0.0, 2e-06, 0.000417, 0.0, 0.0, 0.0, 0.0]
         """
         shape, attn_flops, kv_bytes = self.shape, 0.0, 0.0
-        tokens = sampled = num_chunks = subchunks = long_chunks = 0
+        tokens = sampled = num_chunks = subchunks = long_chunks = prefills = 0
         for chunk in chunks:
             start, n = chunk.num_computed_tokens, chunk.num_new_tokens
             if n <= 0:
@@ -155,6 +157,7 @@ class StepCostModel:
             sampled += bool(chunk.samples)
             num_chunks += 1
             long_chunks += n >= LONG_CHUNK_TOKENS
+            prefills += n > 1
             for layer, per_pair in self._attn_flops_per_pair.items():
                 attn_flops += per_pair * layer.pairs(start, end)
             for layer, count in shape.groups:
@@ -167,6 +170,7 @@ class StepCostModel:
         if not tokens:
             return [0.0] * len(PARAM_NAMES)
         return [1.0, float(num_chunks * shape.dims.num_layers),
+                float(prefills * shape.dims.num_layers),
                 float(long_chunks * self._local_layers),
                 shape.gemm_flops(tokens, sampled) / self._peak,
                 shape.weight_bytes(tokens) / self._bw, attn_flops / self._peak,

@@ -3,7 +3,7 @@ constructor of a cost model for a preset on a GPU.
 
 >>> eff = load_efficiencies()
 >>> eff.gpu, len(eff.values)
-('h200', 9)
+('h200', 10)
 """
 
 from __future__ import annotations
