@@ -48,6 +48,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine_ttft as et
+from time_fit import (
+    TRACE_ROOTS,
+    _chunk,
+    by_source,
+    compare,
+    copy_request,
+    engine_shape,
+    error_summary,
+    fit,
+    model_run,
+    slice_requests,
+)
 
 from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
@@ -61,17 +73,10 @@ from hybridkv.engine.model_config import (
 from hybridkv.engine.paged import PagedKVCache
 from hybridkv.engine.recurrent import Chunking, gated_delta_chunked
 from hybridkv.engine.runner import EngineRunner, RunOptions
-from hybridkv.sim.loaders import load_trace
 from hybridkv.sim.scheduler import SchedRequest, Scheduler, StepPlan
-from hybridkv.sim.timed import ModelClock, TimedRun, WallClock, arrival_times, drive, summarise
-from hybridkv.sim.trace import expand_prompt
+from hybridkv.sim.timed import TimedRun, WallClock, arrival_times, drive, summarise
 from hybridkv.timing import PARAM_NAMES, Efficiencies, StepCostModel
-from hybridkv.timing.fit import fit_coefficients, relative_errors
-from hybridkv.timing.shape import AttentionLayer, ComputeShape, ModelDims
-
-TRACE_ROOTS = (".devrun/traces", "traces", "../shared/traces", "/work/shared/traces")
-TRACE_PATHS = {"mooncake_synthetic": "mooncake_synthetic/synthetic_trace.jsonl",
-               "ragpulse": "ragpulse", "weka_cc_agentic": "weka_cc_agentic"}
+from hybridkv.timing.shape import ComputeShape
 
 
 # ----------------------------------------------------------------------------- models
@@ -88,30 +93,6 @@ class Bundle:
     state_cache: PagedStateCache
     shape: ComputeShape
     label: str
-
-
-def engine_shape(config: ModelConfig, dtype_bytes: int, name: str) -> ComputeShape:
-    """The timing shape of an engine ``ModelConfig`` (same matrices, same layer kinds)."""
-    dims = ModelDims(config.hidden_size, config.num_heads, config.num_kv_heads,
-                     config.head_dim, config.intermediate_size, config.vocab_size,
-                     config.num_layers, dtype_bytes,
-                     linear_num_key_heads=config.linear_num_key_heads,
-                     linear_num_value_heads=config.linear_num_value_heads,
-                     linear_key_head_dim=config.linear_key_head_dim,
-                     linear_value_head_dim=config.linear_value_head_dim)
-    kv = 2 * config.num_kv_heads * config.head_dim * dtype_bytes
-    attention, recurrent = [], []
-    for layer_id, kind in enumerate(config.layer_types):
-        if kind == "full_attention":
-            attention.append(AttentionLayer("full", kv))
-        elif kind == "sliding_attention":
-            attention.append(AttentionLayer("window", kv, window=config.window_of(layer_id)))
-        elif kind == "chunked_attention":
-            attention.append(AttentionLayer("chunked", kv,
-                                            chunk=config.attention_chunk_size or 1))
-        else:
-            recurrent.append(config.recurrent_state_bytes(dtype_bytes, 4))
-    return ComputeShape(dims, tuple(attention), tuple(recurrent), name=name)
 
 
 def build(name: str, args: argparse.Namespace, device: torch.device) -> Bundle:
@@ -176,25 +157,6 @@ def engine_run(bundle: Bundle, arrivals: Sequence[tuple[float, SchedRequest]],
         gc.enable()
 
 
-def model_run(cost: StepCostModel, cache: CacheConfig,
-              arrivals: Sequence[tuple[float, SchedRequest]], args: argparse.Namespace,
-              policy: str = "latest") -> TimedRun:
-    """The same run predicted: the same scheduler, a model clock."""
-    scheduler = Scheduler(KVCacheManager(cache, policy), max_running=args.max_running,
-                          chunk_size=args.chunk_size)
-    counter = iter(range(1 << 60, 1 << 61))
-
-    def execute(plan: StepPlan) -> dict[str, int]:
-        return {c.req_id: next(counter) for c in plan.chunks if c.samples}
-
-    return drive(scheduler, [(t, copy_request(r)) for t, r in arrivals], execute,
-                 ModelClock(), step_seconds=lambda plan: cost.seconds(plan.chunks))
-
-
-def copy_request(r: SchedRequest) -> SchedRequest:
-    return SchedRequest(r.req_id, list(r.prompt_token_ids), r.max_output_tokens, r.session_id)
-
-
 # ---------------------------------------------------------------------- workloads
 def random_ids(n: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
@@ -224,28 +186,6 @@ def decode_grid(batches: Sequence[int], contexts: Sequence[int], seed: int,
     return [[(0.0, SchedRequest(f"d{b}-{ctx}-{i}", random_ids(ctx, seed + 1000 * b + i + ctx),
                                 output_tokens)) for i in range(b)]
             for b in batches for ctx in contexts]
-
-
-def trace_slice(trace_name: str, *, offset: int, count: int, max_in: int, output_cap: int,
-                cut: int | None) -> tuple[list[SchedRequest], list[float]]:
-    """``count`` requests of ``trace_name`` with at most ``max_in`` input tokens, from the
-    ``offset``-th such request on; outputs capped at ``output_cap``."""
-    for root in TRACE_ROOTS:
-        path = Path(root) / TRACE_PATHS.get(trace_name, trace_name)
-        if path.exists():
-            break
-    else:
-        raise SystemExit(f"calibrate: trace {trace_name} not found under {TRACE_ROOTS}")
-    trace = load_trace(path, limit=(offset + count) * 8 + 200)
-    chosen = [(i, r) for i, r in enumerate(trace.requests) if r.input_length <= max_in]
-    chosen = chosen[offset:offset + count]
-    requests = []
-    for index, request in chosen:
-        prompt = expand_prompt(request, index)
-        requests.append(SchedRequest(request.request_id, prompt[:cut] if cut else prompt,
-                                     max(1, min(output_cap, request.output_length)),
-                                     request.session_id))
-    return requests, [r.arrival_seconds or 0.0 for _, r in chosen]
 
 
 # ------------------------------------------------------------------------ sections
@@ -282,36 +222,6 @@ def measure(bundle: Bundle, args: argparse.Namespace, quick: bool,
     save()
 
 
-def fit(shape: ComputeShape, rows: Sequence[dict[str, Any]], gpu: str,
-        ) -> tuple[list[float], list[float]]:
-    """Coefficients over ``rows`` (steps of ``shape``) and each row's relative error."""
-    ideal = StepCostModel(shape, gpu, Efficiencies.ideal())
-    features = [ideal.features([_chunk(c) for c in row["chunks"]]) for row in rows]
-    times = [row["seconds"] for row in rows]
-    fixed = () if shape.num_recurrent else (PARAM_NAMES.index("scan_s"),)
-    coefficients = fit_coefficients(features, times, fixed_zero=fixed)
-    # relative least squares leans low; one common factor makes the calibration steps'
-    # total time exact (a queued run's makespan is the sum of its steps)
-    predicted = sum(sum(c * x for c, x in zip(coefficients, row, strict=True))
-                    for row in features)
-    coefficients = [c * sum(times) / predicted for c in coefficients]
-    return coefficients, relative_errors(features, times, coefficients)
-
-
-def _chunk(c: Sequence[Any]) -> Any:
-    from hybridkv.timing import Chunk
-    return Chunk(int(c[0]), int(c[1]), bool(c[2]))
-
-
-def error_summary(errors: Sequence[float]) -> dict[str, float]:
-    mags = sorted(abs(e) for e in errors)
-    if not mags:
-        return {}
-    return {"steps": len(mags), "median_abs": mags[len(mags) // 2],
-            "p90_abs": mags[int(0.9 * (len(mags) - 1))], "max_abs": mags[-1],
-            "mean_signed": sum(errors) / len(errors)}
-
-
 def queued_arrivals(cost: StepCostModel, bundle: Bundle, requests: Sequence[SchedRequest],
                     raw: Sequence[float], args: argparse.Namespace,
                     ) -> tuple[list[tuple[float, SchedRequest]], float]:
@@ -322,38 +232,6 @@ def queued_arrivals(cost: StepCostModel, bundle: Bundle, requests: Sequence[Sche
     scale = busy / (args.load * span)
     times = arrival_times(raw, time_scale=scale)
     return list(zip(times, requests, strict=True)), scale
-
-
-def compare(engine: TimedRun, model: TimedRun) -> dict[str, Any]:
-    measured, predicted = summarise(engine), summarise(model)
-    per_request = [(model.requests[rid].ttft_s - r.ttft_s) / r.ttft_s
-                   for rid, r in engine.requests.items() if r.ttft_s > 0]
-    out: dict[str, Any] = {"measured": measured, "predicted": predicted}
-    for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "makespan_s", "queue_p50_s",
-                "tpot_p50_s", "busy_fraction"):
-        if measured[key]:
-            out[f"err_{key}"] = (predicted[key] - measured[key]) / measured[key]
-    out["per_request_ttft"] = error_summary(per_request)
-    out["requests"] = {rid: [round(r.arrival_s, 4), round(r.ttft_s, 4),
-                             round(model.requests[rid].ttft_s, 4), r.hit_tokens]
-                       for rid, r in engine.requests.items()}
-    return out
-
-
-SLICES = {  # trace → (max input tokens, calibration count, validation offset, count)
-    "gemma": {"mooncake_synthetic": (16384, 60, 100, 100), "ragpulse": (8192, 80, 400, 120)},
-    "qwen": {"mooncake_synthetic": (8192, 30, 100, 50), "ragpulse": (8192, 60, 400, 70)},
-}
-
-
-def slice_requests(model: str, trace: str, part: str, args: argparse.Namespace, quick: bool,
-                   ) -> tuple[list[SchedRequest], list[float]]:
-    max_in, n_cal, offset, n_val = SLICES[model][trace]
-    if quick:
-        n_cal, offset, n_val = 6, 10, 8
-    start, count = (0, n_cal) if part == "calibration" else (offset, n_val)
-    return trace_slice(trace, offset=start, count=count, max_in=max_in,
-                       output_cap=4 if quick else args.output_cap, cut=200 if quick else None)
 
 
 def calibrate_model(bundle: Bundle, args: argparse.Namespace, quick: bool,
@@ -387,13 +265,6 @@ def calibrate_model(bundle: Bundle, args: argparse.Namespace, quick: bool,
                                     "by_source": by_source(rows, errors)}
     print(f"[{bundle.name}] fit {results['fits'][bundle.name]}", flush=True)
     save()
-
-
-def by_source(rows: Sequence[dict[str, Any]], errors: Sequence[float]) -> dict[str, Any]:
-    groups: dict[str, list[float]] = {}
-    for row, err in zip(rows, errors, strict=True):
-        groups.setdefault(row["source"], []).append(err)
-    return {k: error_summary(v) for k, v in groups.items()}
 
 
 def validate_model(bundle: Bundle, args: argparse.Namespace, quick: bool,

@@ -39,30 +39,47 @@ def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
 
 
 def fit_coefficients(rows: Sequence[Sequence[float]], targets: Sequence[float],
-                     fixed_zero: Sequence[int] = ()) -> list[float]:
-    """Non-negative coefficients ``c`` minimising ``Σ_i ((rows_i · c − t_i) / t_i)²``.
+                     fixed_zero: Sequence[int] = (),
+                     lower: Sequence[float] | None = None) -> list[float]:
+    """Coefficients ``c >= lower`` (default 0) minimising ``Σ_i ((rows_i · c − t_i) / t_i)²``.
 
-    ``fixed_zero``: coefficients kept at 0 (terms the calibration cannot see).
+    ``fixed_zero``: coefficients kept at their lower bound (terms the calibration cannot
+    see); ``lower``: floors, e.g. 1.0 for an efficiency term (nothing runs above the
+    datasheet peak).
+
+    >>> [round(c, 4) for c in fit_coefficients([[1.0, 1.0], [1.0, 2.0]], [2.0, 3.0],
+    ...                                         lower=[0.0, 1.5])]
+    [0.3462, 1.5]
+
+    (The slope stays at its floor 1.5; ``c₀`` minimises ``((c₀ − 0.5) / 2)² + (c₀ / 3)²``:
+    ``c₀ = 0.125 / (1/4 + 1/9)``.)
     """
     if not rows or len(rows) != len(targets) or any(t <= 0 for t in targets):
         raise ConfigError("targets", len(targets), "one positive time per feature row")
     width = len(rows[0])
+    floor = [float(x) for x in lower] if lower is not None else [0.0] * width
     scaled = [[x / t for x in row] for row, t in zip(rows, targets, strict=True)]
+    rest = [1.0 - sum(f * x for f, x in zip(floor, row, strict=True))
+            for row in scaled]   # (t − floor · row) / t: what the free part must explain
     # columns scaled to unit norm so the elimination sees similar magnitudes
     norms = [max(sum(r[j] ** 2 for r in scaled) ** 0.5, 1e-300) for j in range(width)]
-    free = [j for j in range(width) if j not in set(fixed_zero) and norms[j] > 1e-300]
-    while True:
+    skip = set(fixed_zero)
+    free = [j for j in range(width) if j not in skip and norms[j] > 1e-300]
+    solution: list[float] = []
+    while free:
         gram = [[sum(r[i] * r[j] for r in scaled) / (norms[i] * norms[j]) for j in free]
                 for i in free]
-        rhs = [sum(r[i] for r in scaled) / norms[i] for i in free]
+        rhs = [sum(r[i] * y for r, y in zip(scaled, rest, strict=True)) / norms[i]
+               for i in free]
         solution = _solve(gram, rhs)
-        worst = min(range(len(free)), key=lambda k: solution[k], default=None)
-        if worst is None or solution[worst] >= 0:
+        worst = min(range(len(free)), key=lambda k: solution[k])
+        if solution[worst] >= 0:
             break
         free.pop(worst)
-    coefficients = [0.0] * width
+        solution = []
+    coefficients = list(floor)
     for j, value in zip(free, solution, strict=True):
-        coefficients[j] = value / norms[j]
+        coefficients[j] += value / norms[j]
     return coefficients
 
 

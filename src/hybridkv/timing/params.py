@@ -44,7 +44,8 @@ def load_efficiencies(table: str = "default") -> Efficiencies:
 
 def cost_model(model_name: str, layers: Sequence[LayerSpec], gpu: str = "h200",
                tp: int = 1, table: str = "default") -> StepCostModel:
-    """A ``StepCostModel`` for a bundled preset (its ``dims.toml`` row) on ``gpu``.
+    """A ``StepCostModel`` for a bundled preset (its ``dims.toml`` row) on ``gpu``; the
+    ``default`` table becomes ``recurrent`` for a model with recurrent layers.
 
     >>> from hybridkv.specs import FullAttentionSpec
     >>> m = cost_model("mistral-7b", [FullAttentionSpec(16, 2 * 8 * 128 * 2)] * 32, "b200")
@@ -63,4 +64,6 @@ qwen3-next-80b, gpt-oss-120b, llama4-scout); add a row to hybridkv/timing/dims.t
                           f"no compute dims for this model (--clock time knows "
                           f"{', '.join(dims)}); add a row to hybridkv/timing/dims.toml")
     shape = compute_shape(list(layers), dims[model_name], model_name)
+    if table == "default" and shape.num_recurrent:
+        table = "recurrent"
     return StepCostModel(shape, gpu_named(gpu), load_efficiencies(table), tp)
