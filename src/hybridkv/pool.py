@@ -16,9 +16,10 @@ allocation falls through every queue, no tier can ever stall allocation.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
-from typing import TYPE_CHECKING
+from itertools import islice
 
 from hybridkv.block import (
     DEAD_QUEUE,
@@ -31,9 +32,6 @@ from hybridkv.block import (
 )
 from hybridkv.errors import CapacityError, InvariantViolation
 from hybridkv.ids import BlockHash, GroupId
-
-if TYPE_CHECKING:
-    from hybridkv.eviction import EvictionPolicy
 
 
 class FreeTier(IntEnum):
@@ -79,6 +77,39 @@ def _drop_references(blocks: list[Block], split: bool,
     return scratch, (cached if split else [])
 
 
+class EvictionHook(ABC):
+    """What the pool calls on its eviction policy (``hybridkv.eviction.EvictionPolicy``
+    implements it): declared here so that the pool imports no eviction code."""
+
+    @abstractmethod
+    def on_cached(self, block: Block, parent_hash: BlockHash | None) -> None:
+        """``block`` was given its hash (``parent_hash``: the previous block's)."""
+
+    @abstractmethod
+    def on_evicted(self, pool: BlockPool, block: Block, block_hash: BlockHash,
+                   group_id: GroupId, *, still_cached: bool) -> None:
+        """``block`` lost ``block_hash`` (``still_cached``: another copy keeps it indexed)."""
+
+    @abstractmethod
+    def place(self, pool: BlockPool, blocks: list[Block], default_tier: FreeTier,
+              session_id: str | None) -> None:
+        """Link freed hashed blocks (ref 0), in order, into their queues."""
+
+    @abstractmethod
+    def start_release(self, pool: BlockPool, session_id: str | None,
+                      num_output_tokens: int | None = None) -> None:
+        """A request is about to release its groups' blocks (the coordinator calls it;
+        ``end_release`` follows)."""
+
+    @abstractmethod
+    def end_release(self, pool: BlockPool) -> None:
+        """The release that ``start_release`` opened is over."""
+
+    @abstractmethod
+    def check_invariants(self, pool: BlockPool) -> None:
+        """Verify the policy's invariants (from the pool's ``check_invariants``)."""
+
+
 class BlockPool:
     """A pool of ``num_blocks`` blocks; block 0 is the reserved null block.
 
@@ -93,7 +124,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, num_groups: int,
-                 eviction: EvictionPolicy | None = None) -> None:
+                 eviction: EvictionHook | None = None) -> None:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
@@ -139,6 +170,29 @@ class BlockPool:
         return len(self._index[group_id]) + sum(
             len(v) for v in self._duplicates[group_id].values()
         )
+
+    def index_mark(self, group_id: GroupId) -> int:
+        """Hashes indexed in the group so far, counted so that it grows by exactly one per
+        hash indexed: hashes indexed now plus those evicted (``drop_cached`` lowers it, as
+        the dropped hashes leave without an eviction). Two marks ``m0 <= m1`` of the group
+        ⇒ the hashes indexed between them that are still indexed are among
+        ``newest_hashes(group_id, m1 - m0)``.
+
+        >>> pool = BlockPool(4, 1)
+        >>> a, b = pool.allocate(2)
+        >>> pool.cache_block(a, BlockHash(b"x"), GroupId(0))
+        >>> mark = pool.index_mark(GroupId(0))
+        >>> pool.cache_block(b, BlockHash(b"y"), GroupId(0))
+        >>> pool.index_mark(GroupId(0)) - mark, pool.newest_hashes(GroupId(0), 1)
+        (1, [b'y'])
+        """
+        return len(self._index[group_id]) + self.num_evicted_blocks[group_id]
+
+    def newest_hashes(self, group_id: GroupId, count: int) -> list[BlockHash]:
+        """The ``count`` hashes indexed in the group most recently that are still indexed,
+        newest first (fewer when fewer are indexed). The index is a dict, which keeps
+        insertion order: the last ``count`` keys, read backwards."""
+        return list(islice(reversed(self._index[group_id]), count))
 
     # ---------------------------------------------------------------- mutations
     def allocate(self, num_blocks: int) -> list[Block]:

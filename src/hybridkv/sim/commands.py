@@ -25,10 +25,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError, PoolTooSmallError
-from hybridkv.eviction import parse_eviction
-from hybridkv.managers.recurrent import parse_checkpoint_policy
 from hybridkv.observe import open_observers, parse_metrics_target
-from hybridkv.policies import CORE_POLICIES, make_retention_policy, split_policy_name
+from hybridkv.policies import CORE_POLICIES, PolicySpec
 from hybridkv.sim.admission import parse_admissions
 from hybridkv.sim.bound import AdmissionLog, BoundShape, offline_optimum
 from hybridkv.sim.bound_share import BoundBroker, BoundKeys, BoundPair, set_bounds, shared_bounds
@@ -149,12 +147,7 @@ def parse_policies(text: str, has_sessions: bool = False) -> list[str]:
             expanded.extend(all_policies(has_sessions))
         else:
             try:
-                retention, modifiers = split_policy_name(name)
-                make_retention_policy(retention)  # unknown names fail here, before any replay
-                for checkpoints in (m for m in modifiers if m.startswith("ckpt:")):
-                    parse_checkpoint_policy(checkpoints)
-                parse_eviction([m for m in modifiers
-                                if m != "recompute" and not m.startswith("ckpt:")])
+                PolicySpec.parse(name)  # unknown names fail here, before any replay
             except ConfigError as err:
                 raise _policy_error(name, err) from err
             expanded.append(name)
@@ -465,7 +458,7 @@ def _dispatch_order(tasks: Sequence[Task]) -> list[int]:
         name = tasks[index][0]
         if tasks[index] == _LIMITS:
             return 2
-        return 1 if make_retention_policy(split_policy_name(name)[0]).is_sparse else 0
+        return 1 if PolicySpec.parse(name).retention_policy().is_sparse else 0
     return sorted(range(len(tasks)), key=rank)
 
 
@@ -642,7 +635,7 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
     policies = parse_policies(args.policy, _has_sessions(source))
     admissions = parse_admissions(args.admission)
     for policy in policies:
-        make_retention_policy(split_policy_name(policy)[0]).validate(
+        PolicySpec.parse(policy).retention_policy().validate(
             config.alignment_tokens, True)
     check_pool_holds_requests(source, config)
     observing = open_observers(
@@ -660,7 +653,7 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
             "eagle": args.eagle,
         }, _max_rate([run.result.bound for run in runs]),
             _max_rate([run.result.bound_fa for run in runs]))
-        render_table(report, console)
+        render_table(report, console, detail=args.detail)
         with StagedOutputs() as staged:
             if json_path is not None:
                 staged.stage("--json", json_path, report.write_json)

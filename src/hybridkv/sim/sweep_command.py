@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import hybridkv
 from hybridkv.errors import ConfigError, HybridKVError
-from hybridkv.policies import make_retention_policy, split_policy_name
+from hybridkv.policies import PolicySpec
 from hybridkv.sim.admission import parse_admissions
 from hybridkv.sim.commands import (
     DEFAULT_MODEL,
@@ -163,7 +163,7 @@ def plan_cells(args: argparse.Namespace, sources: Sequence[tuple[str, Source, di
         for model_label, shape in models:
             alignment = shape.cache_config(2).alignment_tokens
             for policy in policies:
-                make_retention_policy(split_policy_name(policy)[0]).validate(alignment, True)
+                PolicySpec.parse(policy).retention_policy().validate(alignment, True)
             for num_blocks, memory in resolve_pools(args, shape, source, workers):
                 for admission in admissions:
                     for policy in policies:
@@ -256,7 +256,8 @@ def _recorder(state: SweepState, store: ResultStore | None,
 
 def _report(args: argparse.Namespace, console: Console, cells: Sequence[Cell],
             state: SweepState, outputs: Outputs, store: ResultStore | None) -> int:
-    render_sweep_cells(cells, state.rows, state.errors, state.resumed, console)
+    render_sweep_cells(cells, state.rows, state.errors, state.resumed, console,
+                       detail=args.detail)
     rows = [_labelled(state.rows[c.key], c) for c in cells if c.key in state.rows]
     written = [str(p) for p in (outputs.csv, outputs.json, outputs.plot) if p is not None]
     if rows and written:
