@@ -52,7 +52,7 @@ def test_arrival_process_and_bad_input() -> None:
     assert arrival_times([10.0, 12.0], time_scale=2.0) == [0.0, 4.0]
     poisson = arrival_times([None] * 2000, rate=4.0)
     assert poisson[-1] / 1999 == pytest.approx(0.25, rel=0.1)   # mean gap 1 / rate
-    with pytest.raises(ConfigError, match="rate=None.*pass --rate"):
+    with pytest.raises(ConfigError, match=r"rate=None.*pass --rate"):
         arrival_times([None, 1.0])
     with pytest.raises(ConfigError, match="time_scale=0"):
         arrival_times([0.0], time_scale=0)

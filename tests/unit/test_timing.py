@@ -64,7 +64,8 @@ def test_span_is_the_gathered_key_range() -> None:
 def test_fit_recovers_known_coefficients() -> None:
     rng = random.Random(3)
     truth = [0.002, 4e-5, 2e-5, 1e-4, 1.3, 1.1, 2.5, 0.0, 0.7, 3e-4]
-    rows = [[1.0, rng.uniform(10, 500), rng.uniform(0, 300), rng.uniform(0, 40), rng.uniform(0, 0.05), rng.uniform(1e-4, 1e-3),
+    rows = [[1.0, rng.uniform(10, 500), rng.uniform(0, 300), rng.uniform(0, 40),
+             rng.uniform(0, 0.05), rng.uniform(1e-4, 1e-3),
              rng.uniform(0, 0.01), rng.uniform(0, 1e-4), rng.uniform(0, 1e-3),
              rng.uniform(0, 50)] for _ in range(60)]
     times = [sum(c * x for c, x in zip(truth, row, strict=True)) for row in rows]

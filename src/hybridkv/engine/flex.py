@@ -21,8 +21,8 @@ blocks get no key blocks at all (the kernel skips them).
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast

@@ -45,8 +45,8 @@ from hybridkv.errors import ConfigError
 from hybridkv.timing.gpus import GPU, gpu_named
 from hybridkv.timing.shape import ComputeShape
 
-PARAM_NAMES: Final = ("step_s", "seq_layer_s", "prefill_layer_s", "long_chunk_layer_s", "gemm", "weights", "attention", "kv",
-                      "activations", "scan_s")
+PARAM_NAMES: Final = ("step_s", "seq_layer_s", "prefill_layer_s", "long_chunk_layer_s",
+                      "gemm", "weights", "attention", "kv", "activations", "scan_s")
 """Coefficient order of ``Efficiencies.values`` and of ``StepCostModel.features``."""
 
 LONG_CHUNK_TOKENS: Final = 2048
