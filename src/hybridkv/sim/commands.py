@@ -260,7 +260,7 @@ def check_pool_holds_requests(source: Source, config: CacheConfig) -> None:
             needed = sum(-(-num_tokens // block_size) for block_size in full)
             if needed > usable:
                 raise PoolTooSmallError(request.request_id, num_tokens, needed,
-                                        config.num_blocks)
+                                        config.num_blocks, origin=trace.origin)
 
 
 def pool_summary(shape: ModelShape, config: CacheConfig) -> dict[str, object]:
