@@ -165,10 +165,14 @@ def compare(engine: TimedRun, model: TimedRun) -> dict[str, Any]:
 
 
 def slice_requests(model: str, trace: str, part: str, args: argparse.Namespace, quick: bool,
-                   ) -> tuple[list[SchedRequest], list[float]]:
+                   count: int | None = None) -> tuple[list[SchedRequest], list[float]]:
+    """A trace's calibration or validation slice (``SLICES``; ``count``: the number of
+    requests a recorded run used, when ``SLICES`` changed since)."""
     max_in, n_cal, offset, n_val = SLICES[model][trace]
     if quick:
         n_cal, offset, n_val = 6, 10, 8
+    if count is not None:
+        n_cal = n_val = count
     start, count = (0, n_cal) if part == "calibration" else (offset, n_val)
     return trace_slice(trace, offset=start, count=count, max_in=max_in,
                        output_cap=4 if quick else args.output_cap, cut=200 if quick else None)
@@ -207,7 +211,8 @@ def repredict(results: dict[str, Any]) -> list[dict[str, Any]]:
         for row in results["validation"]:
             if row["model"] != model:
                 continue
-            requests, raw = slice_requests(model, row["trace"], "validation", args, False)
+            requests, raw = slice_requests(model, row["trace"], "validation", args, False,
+                                           row["num_requests"])
             times = arrival_times(raw, time_scale=row["time_scale"])
             predicted = summarise(model_run(cost, cache, list(zip(times, requests,
                                                                   strict=True)), args))
