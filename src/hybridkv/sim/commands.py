@@ -56,7 +56,6 @@ from hybridkv.sim.workloads import (
     make_workload,
     retention_microbench_from_params,
 )
-from hybridkv.specs import FullAttentionSpec
 
 DEFAULT_WORKLOAD = "agentic"
 DEFAULT_MODEL = "gemma3-bench"
@@ -272,7 +271,7 @@ def check_pool_holds_requests(source: Source, config: CacheConfig) -> None:
     schedule can ever finish it. A lower bound (window and other groups need blocks too);
     the replay itself catches the rest (``replay``'s no-progress check)."""
     full = [g.spec.block_size for g in config.groups  # compressed attention counts too
-            if isinstance(g.spec, FullAttentionSpec)]
+            if g.spec.is_full_attention]
     if not full:
         return
     usable = config.num_blocks - 1
@@ -282,7 +281,7 @@ def check_pool_holds_requests(source: Source, config: CacheConfig) -> None:
             needed = sum(-(-num_tokens // block_size) for block_size in full)
             if needed > usable:
                 raise PoolTooSmallError(request.request_id, num_tokens, needed,
-                                        config.num_blocks)
+                                        config.num_blocks, origin=trace.origin)
 
 
 def pool_summary(shape: ModelShape, config: CacheConfig) -> dict[str, object]:
@@ -607,7 +606,7 @@ def _merged(a: RunResult, b: RunResult) -> RunResult:
 def source_bound(source: Source, config: CacheConfig) -> float | None:
     """Offline optimum of the measured requests at this pool's token capacity."""
     full = [g.spec.block_size for g in config.groups  # compressed attention counts too
-            if isinstance(g.spec, FullAttentionSpec)]
+            if g.spec.is_full_attention]
     if not full:
         return None
     block_size = full[0]

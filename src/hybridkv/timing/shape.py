@@ -37,7 +37,6 @@ from hybridkv.specs import (
     RecurrentStateSpec,
     RingBufferSpec,
     SlidingWindowSpec,
-    page_bytes,
 )
 
 AttentionKind = Literal["full", "window", "chunked", "compressed", "indexer"]
@@ -340,7 +339,7 @@ def compute_shape(layers: tuple[LayerSpec, ...] | list[LayerSpec], dims: ModelDi
         elif isinstance(spec, RecurrentStateSpec):
             recurrent.append(spec.state_bytes)
         else:
-            state += page_bytes(spec)
+            state += spec.page_bytes
     return ComputeShape(dims, tuple(attention), tuple(recurrent), state, name)
 
 
