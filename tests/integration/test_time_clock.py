@@ -70,3 +70,20 @@ def test_sweep_rows_carry_time_columns(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())
     rows = rows["cells"]
     assert rows[0]["ttft_p99_s"] > 0 and rows[0]["time_gpu"] == "NVIDIA H200"
+
+
+def test_cluster_reports_ttft_per_router(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cluster.json"
+    assert main(["cluster", *BASE[:6], "--model", "mistral-7b", "--kv-memory", "4GiB",
+                 "--policy", "latest", "--quiet", "--instances", "2", "--router",
+                 "round-robin,least-loaded", "--clock", "time", "--rate", "0.5",
+                 "--json", str(out)]) == 0
+    assert "TTFT p99" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert [r["router"] for r in runs] == ["round-robin", "least-loaded"]
+    for run in runs:
+        time = run["time"]
+        assert time["requests"] == 12 and 0 < time["ttft_p50_s"] <= time["ttft_p99_s"]
+        assert 0 < time["busy_fraction"] <= 1

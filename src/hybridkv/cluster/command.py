@@ -122,6 +122,11 @@ def _single_policy(text: str, source: Source) -> str:
     return policies[0]
 
 
+EPOCH_SECONDS = 0.05
+"""``--clock time``: seconds per ``--sync-steps`` unit of the router's epoch (arrivals are
+routed at the first epoch start at or after them)."""
+
+
 def cmd_cluster(args: argparse.Namespace, console: Console, err_console: Console) -> int:
     outputs = check_output_paths([("--json", args.json), ("--plot", args.plot)])
     json_path, plot_path = outputs["--json"], outputs["--plot"]
@@ -149,7 +154,9 @@ def cmd_cluster(args: argparse.Namespace, console: Console, err_console: Console
         instance=InstanceSettings(max_running=replay_settings.max_running,
                                   chunk_size=replay_settings.chunk_size,
                                   admission=admissions[0],
-                                  check_invariants=replay_settings.check_invariants))
+                                  check_invariants=replay_settings.check_invariants,
+                                  timing=replay_settings.timing,
+                                  epoch_seconds=EPOCH_SECONDS * args.sync_steps))
     settings.validate()
     check_pool_holds_requests(source, config)
     jobs = args.jobs if args.jobs is not None else (

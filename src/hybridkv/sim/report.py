@@ -14,7 +14,13 @@ from rich.table import Table
 from hybridkv.sim.limits import format_bytes
 from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.replay import RunResult, TagTotals
-from hybridkv.sim.table_layout import CAUSE_LABELS, largest_miss, percent, report_table
+from hybridkv.sim.table_layout import (
+    CAUSE_LABELS,
+    largest_miss,
+    percent,
+    report_table,
+    seconds,
+)
 
 if TYPE_CHECKING:  # sweep imports the commands, which import this module
     from hybridkv.sim.sweep import Cell
@@ -192,17 +198,6 @@ def _render_detail(report: Report, console: Console) -> None:
                   f"largest: {percent(report.bound_fa)}); wait: steps from eligibility to "
                   "first admission (the replay has no time model); sched s: manager + "
                   "scheduler time.", style="dim", soft_wrap=True)
-
-
-def seconds(value: float) -> str:
-    """A duration for a table cell.
-
-    >>> seconds(0.0421), seconds(12.345), seconds(4321.0)
-    ('42 ms', '12.3 s', '4,321 s')
-    """
-    if value < 1:
-        return f"{value * 1e3:.0f} ms"
-    return f"{value:.1f} s" if value < 100 else f"{value:,.0f} s"
 
 
 def _time_table(results: Sequence[RunResult]) -> Table:
