@@ -87,3 +87,19 @@ def test_cluster_reports_ttft_per_router(tmp_path: Path,
         time = run["time"]
         assert time["requests"] == 12 and 0 < time["ttft_p50_s"] <= time["ttft_p99_s"]
         assert 0 < time["busy_fraction"] <= 1
+
+
+def test_bounded_load_rule_runs_and_is_recorded(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``--bounded-load`` reaches both prefix routers and the report (the rule itself:
+    ``cluster.prefix.bounded_load_instances``' worked example); below 1 it is refused."""
+    out = tmp_path / "c.json"
+    assert main(["cluster", *BASE[:6], "--model", "mistral-7b", "--kv-memory", "4GiB",
+                 "--policy", "latest", "--quiet", "--instances", "3", "--router",
+                 "prefix-fa,prefix-residency", "--bounded-load", "1.25",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["settings"]["bounded_load"] == 1.25
+    with pytest.raises(SystemExit) as exited:
+        main(["cluster", *BASE[:6], "--bounded-load", "0.9"])
+    assert exited.value.code == 2
+    assert "must be a number >= 1, got '0.9'" in capsys.readouterr().err

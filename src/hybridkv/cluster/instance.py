@@ -65,7 +65,7 @@ class Finished:
     trace_index: int
     prompt_tokens: int
     hit_tokens: int
-    times: RequestTimes | None = None
+    times: RequestTimes | None = field(default=None, repr=False)
     """``--clock time``: arrival, admission, first token and finish (seconds)."""
 
 

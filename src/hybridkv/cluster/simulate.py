@@ -70,6 +70,9 @@ class ClusterSettings:
     instance: InstanceSettings = field(default_factory=InstanceSettings)
     load_weight: float = 1.0
     """Prefix routers: score = matched tokens - ``load_weight`` x queued prompt tokens."""
+    bounded_load: float | None = None
+    """Prefix routers: the bounded-load rule's ``c`` (``prefix.bounded_load_instances``;
+    ``None``: off)."""
 
     @property
     def max_in_flight(self) -> int:
