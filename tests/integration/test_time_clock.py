@@ -64,12 +64,14 @@ def test_bad_time_flags_are_one_line_exit_2(flags: list[str], message: str,
 
 def test_sweep_rows_carry_time_columns(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
-    assert main(["sweep", *BASE[:6], "--model", "mistral-7b", "--kv-memory", "4GiB",
+    plot = tmp_path / "sweep.png"
+    assert main(["sweep", *BASE[:6], "--model", "mistral-7b", "--kv-memory", "4GiB,8GiB",
                  "--policy", "latest", "--quiet", "--clock", "time", "--rate", "0.5",
-                 "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
-    rows = rows["cells"]
+                 "--slo", "ttft=1000", "--json", str(out), "--plot", str(plot)]) == 0
+    rows = json.loads(out.read_text())["cells"]
     assert rows[0]["ttft_p99_s"] > 0 and rows[0]["time_gpu"] == "NVIDIA H200"
+    assert [r["slo_attained"] for r in rows] == [1.0, 1.0]   # a 1,000 s TTFT limit
+    assert plot.stat().st_size > 0   # hit rate and goodput panels
 
 
 def test_cluster_reports_ttft_per_router(tmp_path: Path,

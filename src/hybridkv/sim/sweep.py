@@ -84,8 +84,8 @@ ROW_FIELDS = (
 )
 """Columns of the CSV, in order (the JSON has the same fields per cell)."""
 
-TIME_FIELDS = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "goodput_rps", "busy_fraction",
-               "time_gpu")
+TIME_FIELDS = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "goodput_rps", "slo_attained",
+               "busy_fraction", "time_gpu")
 """``--clock time`` columns, after ``ROW_FIELDS`` (absent on the step clock)."""
 
 
@@ -233,6 +233,7 @@ def time_columns(result: RunResult) -> dict[str, object]:
     t = result.time
     return {"ttft_p50_s": t["ttft_p50_s"], "ttft_p99_s": t["ttft_p99_s"],
             "tpot_p50_s": t["tpot_p50_s"], "goodput_rps": t.get("goodput_rps"),
+            "slo_attained": t.get("slo_attained"),
             "busy_fraction": t["busy_fraction"], "time_gpu": result.time_label}
 
 
