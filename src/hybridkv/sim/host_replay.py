@@ -47,6 +47,22 @@ class HostLink:
                              coordinator.bridge_tokens if manager.recompute else None)
         return cls(make_host_tier(policy, shape, capacity_bytes // shape.block_bytes))
 
+    @classmethod
+    def for_settings(cls, manager: KVCacheManager, policy: str, capacity_bytes: int,
+                     ) -> HostLink | None:
+        """``for_manager``, or ``None`` without host memory (``--host-memory`` not given)."""
+        return cls.for_manager(manager, policy, capacity_bytes) if capacity_bytes else None
+
+    @staticmethod
+    def check(link: HostLink | None) -> None:
+        """The tier's ``check_invariants`` (``--paranoid``), if there is a tier."""
+        if link is not None:
+            link.tier.check_invariants()
+
+    @staticmethod
+    def report_of(link: HostLink | None) -> HostReport | None:
+        return None if link is None else link.report()
+
     def lookup(self, manager: KVCacheManager, hashes: Sequence[BlockHash],
                gpu_hit_tokens: int, num_prompt_tokens: int) -> tuple[HostHit | None, int]:
         """Before a first admission's allocation: a hit past the GPU's, if the tier has one
