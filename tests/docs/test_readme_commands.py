@@ -158,7 +158,7 @@ def shared_folder() -> Path | None:
 def _beside(repo: Path) -> list[Path]:
     """``shared`` beside ``repo`` and beside its main worktree."""
     common = _git(repo, "rev-parse", "--git-common-dir")
-    main = [(repo / common).resolve().parent / "shared"] if common else []
+    main = [(repo / common).resolve().parent.parent / "shared"] if common else []
     return [repo.resolve().parent / "shared", *main]
 
 
