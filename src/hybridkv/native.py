@@ -88,9 +88,10 @@ COMPILED_MODULES: tuple[str, ...] = (
     "hybridkv.managers.chunked",
     "hybridkv.managers.compressed",
     "hybridkv.managers.recurrent",
-    "hybridkv.sim.admission",
-    "hybridkv.sim.scheduler",
+    "hybridkv.sched.admission",
+    "hybridkv.sched.scheduler",
     "hybridkv.sim.misses",
+    "hybridkv.traces.prompts",
     "hybridkv.sim.replay",
 )
 """Modules compiled together (one mypyc group). A class defined here cannot be subclassed

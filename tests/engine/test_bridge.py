@@ -54,7 +54,7 @@ from hybridkv.engine.verify import (
     run_verify,
 )
 from hybridkv.errors import EquivalenceError
-from hybridkv.sim.scheduler import SchedRequest
+from hybridkv.sched.scheduler import SchedRequest
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.engine

@@ -28,7 +28,7 @@ from cli_harness import wait_busy as _wait_busy
 from cli_harness import wait_for as _wait_for
 
 from hybridkv.cli import main
-from hybridkv.sim.loaders import fields
+from hybridkv.traces.loaders import fields
 
 WINDOW_ONLY_MODEL = """
 block_size = 16
@@ -485,7 +485,7 @@ def test_output_write_failure_leaves_nothing(inputs: Path, out: Path,
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(report, "plot_policies", disk_full)
-    monkeypatch.setattr("hybridkv.sim.commands.plot_policies", disk_full)
+    monkeypatch.setattr("hybridkv.sim.run.plot_policies", disk_full)
     outcome = run_cli(_argv([*REPLAY, "--num-blocks", "200", "--json", "{out}/r.json",
                              "--plot", "{out}/r.png"], inputs, out), capsys)
     assert_clean_failure(outcome, 2, "No space left on device")

@@ -29,7 +29,7 @@ from hybridkv.specs import (
 def v4_spec(kind: str, merged: dict[str, object], table: dict[str, object], source: str,
             where: str) -> LayerSpec:
     """One spec of a V4 kind from a model-file table (``merged``: with file defaults)."""
-    from hybridkv.sim.model import _kv_bytes, _positive_int
+    from hybridkv.models.shapes import _kv_bytes, _positive_int
 
     def need(key: str) -> int:
         return _positive_int(merged.get(key), source, where + key)

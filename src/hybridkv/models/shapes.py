@@ -1,6 +1,6 @@
 """Model shapes from TOML: which attention kind each layer has, its block size and KV bytes.
 
-A shape is data, not code: bundled presets live in ``sim/presets/*.toml`` and users pass
+A shape is data, not code: bundled presets live in ``models/presets/*.toml`` and users pass
 their own file. The format (also in ``docs/model-format.md``)::
 
     name = "gemma3-27b"        # optional, default: the file stem
@@ -139,7 +139,7 @@ class ModelShape:
 
 def list_presets() -> list[str]:
     """Names of the bundled presets, sorted."""
-    folder = resources.files("hybridkv.sim") / "presets"
+    folder = resources.files("hybridkv.models") / "presets"
     return sorted(entry.name.removesuffix(PRESET_SUFFIX) for entry in folder.iterdir()
                   if entry.name.endswith(PRESET_SUFFIX))
 
@@ -155,7 +155,7 @@ def load_model(name_or_path: str | Path) -> ModelShape:
         raise ConfigError("model", text, f"is empty; name a preset ({', '.join(list_presets())})"
                                          " or a .toml file")
     if text in list_presets():
-        preset = resources.files("hybridkv.sim") / "presets" / (text + PRESET_SUFFIX)
+        preset = resources.files("hybridkv.models") / "presets" / (text + PRESET_SUFFIX)
         return parse_model(preset.read_text(encoding="utf-8"), source=f"preset {text}",
                            default_name=text)
     path = Path(name_or_path)
@@ -275,7 +275,7 @@ def _spec(table: dict[str, object], defaults: dict[str, object], source: str, wh
     if kind not in _KINDS:
         raise ConfigError(f"{source}: {where}kind", kind, f"choose one of {list(_KINDS)}")
     if kind in _V4_KINDS:
-        from hybridkv.sim.compressed_kinds import v4_spec
+        from hybridkv.models.compressed_kinds import v4_spec
         return v4_spec(str(kind), merged, table, source, where)
     for key in sorted(_V4_KEYS & set(table)):
         raise ConfigError(f"{source}: {where}{key}", table[key],

@@ -16,7 +16,7 @@ from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.replay import RunResult, TagTotals
 
 if TYPE_CHECKING:  # sweep imports the commands, which import this module
-    from hybridkv.sim.sweep import Cell
+    from hybridkv.sweep.cells import Cell
 
 REPORT_HELP = """\
 Columns: hit rate = prompt tokens served from the cache at first admission.

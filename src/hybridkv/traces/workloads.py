@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Final
 
 from hybridkv.errors import ConfigError
-from hybridkv.sim.trace import MAX_PROMPT_TOKENS, Trace, TraceRequest
+from hybridkv.traces.trace import MAX_PROMPT_TOKENS, Trace, TraceRequest
 
 SEED_BITS: Final = 11
 NAMESPACE_BITS: Final = 37
