@@ -2,6 +2,6 @@
 
 import sys
 
-from hybridkv.cli.main import main
+from hybridkv.cli.app import main
 
 sys.exit(main())
