@@ -25,23 +25,16 @@ from typing import Literal
 
 from hybridkv.errors import ConfigError
 from hybridkv.ids import GroupId
-from hybridkv.specs import FullAttentionSpec, LayerSpec, is_prefix_cacheable, page_bytes
+from hybridkv.packing import plan_packed_groups
+from hybridkv.specs import (
+    CacheGroup,
+    FullAttentionSpec,
+    LayerSpec,
+    is_prefix_cacheable,
+    page_bytes,
+)
 
 HashAlgo = Literal["sha256", "xxhash"]
-
-
-@dataclass(frozen=True, slots=True)
-class CacheGroup:
-    """Layers that share one block table; ``layer_ids`` may be shorter than the group size
-    for the last group of a type (vLLM pads it; the padding still costs memory)."""
-
-    group_id: GroupId
-    spec: LayerSpec
-    layer_ids: tuple[int, ...]
-    layer_specs: tuple[LayerSpec, ...] = ()
-    """Per-member specs of a block-outermost packed group (``hybridkv.packing``): members
-    share ``spec``'s kind and block size but may differ in page bytes. Empty: every member
-    is ``spec`` (uniform-page planning)."""
 
 
 def plan_cache_groups(layer_specs: Sequence[LayerSpec]) -> tuple[CacheGroup, ...]:
@@ -49,7 +42,6 @@ def plan_cache_groups(layer_specs: Sequence[LayerSpec]) -> tuple[CacheGroup, ...
     if not layer_specs:
         raise ConfigError("layer_specs", [], "a model needs at least one layer")
     if any(getattr(spec, "packs_block_outermost", False) for spec in layer_specs):
-        from hybridkv.packing import plan_packed_groups  # packing imports this module
         return plan_packed_groups(layer_specs)
     by_spec: dict[LayerSpec, list[int]] = {}
     for layer_id, spec in enumerate(layer_specs):

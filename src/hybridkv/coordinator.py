@@ -23,14 +23,13 @@ from hybridkv.eviction import ROOT_PARENT
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers import MANAGER_FOR_SPEC, GroupManager, coarse_hashes
 from hybridkv.managers.chunked import ChunkedLocalManager
-from hybridkv.managers.recurrent import (
+from hybridkv.managers.recurrent import RecurrentStateManager, align_recurrent_chunk
+from hybridkv.policies import (
     BLOCK_CHECKPOINTS,
     CHUNK_CHECKPOINTS,
-    RecurrentStateManager,
-    align_recurrent_chunk,
+    RetentionPolicy,
     branch_unit_tokens,
 )
-from hybridkv.policies import RetentionPolicy
 from hybridkv.pool import BlockPool
 from hybridkv.siblings import SiblingBatch
 from hybridkv.specs import (

@@ -79,7 +79,7 @@ from hybridkv.errors import ConfigError, InvariantViolation
 from hybridkv.hitpoints import HitPoints
 from hybridkv.ids import BlockHash, GroupId
 from hybridkv.native import mypyc_attr
-from hybridkv.pool import BlockPool, FreeTier
+from hybridkv.pool import BlockPool, EvictionHook, FreeTier
 
 EVICTION_NAMES = ("lru", "scan", "chain", "session", "predict", "flops")
 ROOT_PARENT = BlockHash(b"")
@@ -222,7 +222,7 @@ class EvictionOptions:
         return "+".join(parts) or "lru"
 
 
-class EvictionPolicy:
+class EvictionPolicy(EvictionHook):
     """Places freed cached blocks into the pool's queues; hooks into caching and eviction.
 
     Invariants (``check_invariants``, called by the pool's): a block carries ``is_dead``

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from hybridkv.config import CacheGroup
 from hybridkv.errors import ConfigError
 from hybridkv.ids import GroupId
 from hybridkv.specs import (
+    CacheGroup,
     ChunkedLocalSpec,
     FullAttentionSpec,
     LayerSpec,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from hybridkv.errors import ConfigError
+from hybridkv.ids import GroupId
 
 
 def kv_bytes_per_token(num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -325,3 +326,17 @@ def is_prefix_cacheable(spec: LayerSpec) -> bool:
     (False, True)
     """
     return not isinstance(spec, RingBufferSpec)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroup:
+    """Layers that share one block table; ``layer_ids`` may be shorter than the group size
+    for the last group of a type (vLLM pads it; the padding still costs memory)."""
+
+    group_id: GroupId
+    spec: LayerSpec
+    layer_ids: tuple[int, ...]
+    layer_specs: tuple[LayerSpec, ...] = ()
+    """Per-member specs of a block-outermost packed group (``hybridkv.packing``): members
+    share ``spec``'s kind and block size but may differ in page bytes. Empty: every member
+    is ``spec`` (uniform-page planning)."""

@@ -15,7 +15,7 @@ from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
 from hybridkv.models.shapes import ModelShape, load_model
 from hybridkv.outputs import StagedOutputs, check_output_paths
-from hybridkv.policies import make_retention_policy, split_policy_name
+from hybridkv.policies import PolicySpec
 from hybridkv.sched.admission import parse_admissions
 from hybridkv.sim.observe import open_observers, parse_metrics_target
 from hybridkv.sim.replay import ReplaySettings
@@ -99,7 +99,7 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
     policies = parse_policies(args.policy, source.has_sessions)
     admissions = parse_admissions(args.admission)
     for policy in policies:
-        make_retention_policy(split_policy_name(policy)[0]).validate(
+        PolicySpec.parse(policy).retention_policy().validate(
             config.alignment_tokens, True)
     check_pool_holds_requests(source, config)
     observing = open_observers(

@@ -29,7 +29,7 @@ from hybridkv.cli.replay import resolve_settings, resolve_source
 from hybridkv.errors import ConfigError, HybridKVError
 from hybridkv.models.shapes import ModelShape, load_model
 from hybridkv.outputs import StagedOutputs, check_output_paths
-from hybridkv.policies import make_retention_policy, split_policy_name
+from hybridkv.policies import PolicySpec
 from hybridkv.sched.admission import parse_admissions
 from hybridkv.sim.report import plot_sweep, render_sweep_cells
 from hybridkv.sim.run import DEFAULT_MODEL, parse_policies, resolve_pool
@@ -157,7 +157,7 @@ def plan_cells(args: argparse.Namespace, sources: Sequence[tuple[str, Source, di
         for model_label, shape in models:
             alignment = shape.cache_config(2).alignment_tokens
             for policy in policies:
-                make_retention_policy(split_policy_name(policy)[0]).validate(alignment, True)
+                PolicySpec.parse(policy).retention_policy().validate(alignment, True)
             for num_blocks, memory in resolve_pools(args, shape, source, workers):
                 for admission in admissions:
                     for policy in policies:

@@ -25,7 +25,7 @@ from hybridkv.engine.verify import (
     trace_workload,
 )
 from hybridkv.errors import ConfigError
-from hybridkv.policies import CORE_POLICIES, make_retention_policy, split_policy_name
+from hybridkv.policies import CORE_POLICIES, PolicySpec
 
 if TYPE_CHECKING:
     from hybridkv.engine.verify import RunnerFactory
@@ -102,7 +102,7 @@ def _policies(text: str) -> list[str]:
             names.extend(CORE_POLICIES)
         elif item:
             try:
-                make_retention_policy(split_policy_name(item)[0])
+                PolicySpec.parse(item)
             except ConfigError as err:
                 raise ConfigError("--policy", item, err.fix) from err
             names.append(item)

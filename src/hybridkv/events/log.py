@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybridkv.errors import InvariantViolation
+from hybridkv.event_hook import RequestContext
 from hybridkv.events.landing import LandingRuns
 from hybridkv.events.schema import (
     MEDIUM_GPU,
@@ -100,17 +101,6 @@ class GroupEventInfo:
         if self.capped_prefix_rule:
             return min(self.max_tail_blocks, position + 1)
         return self.tail_blocks((position + 1) * self.block_size)
-
-
-@dataclass(slots=True)
-class RequestContext:
-    """What a stored block's event needs from the request that cached it."""
-
-    req_id: str
-    block_hashes: Sequence[BlockHash]
-    token_ids: Sequence[int]
-    extra_keys: ExtraKeys | None
-    session_id: str | None
 
 
 class EventLog:

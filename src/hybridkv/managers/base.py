@@ -17,12 +17,11 @@ from itertools import compress
 from typing import ClassVar
 
 from hybridkv.block import Block
-from hybridkv.config import CacheGroup
 from hybridkv.eviction import ROOT_PARENT
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.policies import RetentionPolicy
 from hybridkv.pool import BlockPool, FreeTier
-from hybridkv.specs import LayerSpec
+from hybridkv.specs import CacheGroup, LayerSpec
 
 
 def coarse_hashes(hashes: Sequence[BlockHash], ratio: int) -> Sequence[BlockHash]:

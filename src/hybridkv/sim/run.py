@@ -18,12 +18,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError, PoolTooSmallError
-from hybridkv.eviction import parse_eviction
-from hybridkv.managers.recurrent import parse_checkpoint_policy
 from hybridkv.models.shapes import ModelShape, num_blocks_for_memory, parse_size
 from hybridkv.parallel.processes import worker_init
 from hybridkv.parallel.task_feed import TaskFeed
-from hybridkv.policies import CORE_POLICIES, make_retention_policy, split_policy_name
+from hybridkv.policies import CORE_POLICIES, PolicySpec
 from hybridkv.sim.bound import AdmissionLog, BoundShape, offline_optimum
 from hybridkv.sim.bound_share import BoundBroker, BoundKeys, BoundPair, set_bounds, shared_bounds
 from hybridkv.sim.ceiling import infinite_cache_ceiling
@@ -86,12 +84,7 @@ def parse_policies(text: str, has_sessions: bool = False) -> list[str]:
             expanded.extend(all_policies(has_sessions))
         else:
             try:
-                retention, modifiers = split_policy_name(name)
-                make_retention_policy(retention)  # unknown names fail here, before any replay
-                for checkpoints in (m for m in modifiers if m.startswith("ckpt:")):
-                    parse_checkpoint_policy(checkpoints)
-                parse_eviction([m for m in modifiers
-                                if m != "recompute" and not m.startswith("ckpt:")])
+                PolicySpec.parse(name)  # unknown names fail here, before any replay
             except ConfigError as err:
                 raise _policy_error(name, err) from err
             expanded.append(name)
@@ -303,7 +296,7 @@ def _dispatch_order(tasks: Sequence[Task]) -> list[int]:
         name = tasks[index][0]
         if tasks[index] == _LIMITS:
             return 2
-        return 1 if make_retention_policy(split_policy_name(name)[0]).is_sparse else 0
+        return 1 if PolicySpec.parse(name).retention_policy().is_sparse else 0
     return sorted(range(len(tasks)), key=rank)
 
 
