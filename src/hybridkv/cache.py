@@ -49,7 +49,6 @@ from hybridkv.policies import (
 )
 from hybridkv.pool import BlockPool
 from hybridkv.results import Allocation, PrefillPlan, PrefixHit
-from hybridkv.specs import FullAttentionSpec
 from hybridkv.stats import PrefixCacheStats
 from hybridkv.tokens import RequestTokens
 from hybridkv.views import CacheSnapshot, take_snapshot
@@ -120,7 +119,7 @@ class KVCacheManager:
         self.eviction = eviction
         self.policy_name = policy_name(policy.name, eviction, self.recompute, self.checkpoints)
         chain_group = next((g.group_id for g in config.groups  # compressed kinds too
-                            if isinstance(g.spec, FullAttentionSpec)), None)
+                            if g.spec.is_full_attention), None)
         self.pool = _make_pool(config, eviction, chain_group)
         self.coordinator = HybridCoordinator(config, self.pool, policy,
                                              chain_group if eviction.chain or eviction.flops
@@ -650,7 +649,7 @@ def _make_pool(config: CacheConfig, eviction: EvictionOptions, chain_group: Grou
     """The block pool, with its eviction policy unless that is plain ``lru``."""
     evictor = None if eviction.name == "lru" else \
         EvictionPolicy(eviction, config.num_blocks, chain_group,
-                       [g.spec.kind for g in config.groups])
+                       [g.spec for g in config.groups])
     pool = BlockPool(config.num_blocks, len(config.groups), evictor)
     if evictor is not None:
         evictor.bind(pool)

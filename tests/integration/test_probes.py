@@ -158,11 +158,12 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> Outcome:
 
 def assert_clean_failure(outcome: Outcome, code: int, fragment: str) -> None:
     """Exit ``code``, exactly one line on stderr containing ``fragment``, no traceback."""
-    assert "Traceback" not in outcome.stderr + outcome.stdout, outcome.stderr
+    assert "Traceback" not in outcome.stderr + outcome.stdout, \
+        f"a traceback:\n{outcome.stderr}"
     lines = outcome.stderr.strip().splitlines()
     assert len(lines) == 1, f"stderr is {len(lines)} lines:\n{outcome.stderr}"
-    assert fragment.lower() in lines[0].lower(), lines[0]
-    assert outcome.code == code, (outcome.code, lines[0])
+    assert fragment.lower() in lines[0].lower(), f"no {fragment!r} in: {lines[0]}"
+    assert outcome.code == code, f"exit {outcome.code}, expected {code}: {lines[0]}"
 
 
 def assert_nothing_written(folder: Path) -> None:
@@ -341,6 +342,10 @@ PROBES: list[tuple[str, list[str], int, str]] = [
      "request 'mooncake-0'"),
     ("pool-long-prompt", ["replay", "--trace", "{d}/long-prompt.jsonl", "--quiet"], 2,
      "request 'mooncake-0'"),
+    ("pool-too-small-names-trace", ["replay", "--trace", "{d}/long-prompt.jsonl",
+                                    "--quiet"], 2, "long-prompt.jsonl' needs at least"),
+    ("pool-too-small-names-workload", [*REPLAY, "--num-blocks", "2"], 2,
+     "of workload 'aba' needs at least"),
     ("pool-blocks-ram", [*REPLAY, "--num-blocks", "1000000000000"], 2, "of host memory"),
     ("pool-bytes-ram", [*REPLAY, "--kv-memory", "1000TiB"], 2, "--kv-memory='1000TiB'"),
     ("pool-jobs-ram", [*REPLAY, "--num-blocks", "20000000000", "--jobs", "8"], 2,
@@ -419,19 +424,20 @@ def test_probe(argv: list[str], code: int, fragment: str, inputs: Path, out: Pat
 def test_the_probe_checks_can_fail() -> None:
     """The checker rejects a traceback, a second line, a wrong code and a leftover file."""
     traceback = Outcome(1, "", "Traceback (most recent call last):\n  ...\nValueError: x\n")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="a traceback"):
         assert_clean_failure(traceback, 1, "ValueError")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="stderr is 2 lines"):
         assert_clean_failure(Outcome(2, "", "usage: hybridkv\nhybridkv: error: x\n"), 2, "x")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="exit 1, expected 2"):
         assert_clean_failure(Outcome(1, "", "hybridkv: error: x\n"), 2, "x")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="no 'other' in"):
         assert_clean_failure(Outcome(2, "", "hybridkv: error: x\n"), 2, "other")
+    assert_clean_failure(Outcome(2, "", "hybridkv: error: x\n"), 2, "x")  # the control
 
 
 def test_the_nothing_written_check_can_fail(out: Path) -> None:
     (out / ".hybridkv-leftover.tmp").write_text("")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="left behind"):
         assert_nothing_written(out)
 
 

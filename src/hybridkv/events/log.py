@@ -60,22 +60,6 @@ REMOVED = 1
 RawRecord = tuple[int, int, BlockHash]
 """``(STORED | REMOVED, group id, block hash)`` as the pool appends it."""
 
-VLLM_KIND_OF: dict[str, str] = {
-    "full_attention": "full_attention",
-    "sliding_window": "sliding_window",
-    "padded_window": "sliding_window",
-    "chunked_local": "chunked_local_attention",
-    "recurrent_state": "mamba",
-    "compressed_attention": "mla_attention",
-    "sliding_window_mla": "sliding_window_mla",
-    "compressor_state": "sliding_window_mla",
-    "ring_buffer": "unknown",
-}
-"""hybridkv spec kind → vLLM 0.33 ``KVCacheSpecKind`` value of the spec vLLM uses for it
-(DeepSeek-V4's compressed KV is an ``MLAAttentionSpec``, its compressor state a
-``SlidingWindowMLASpec``, Mamba / GDN state a ``MambaSpec``)."""
-
-
 @dataclass(frozen=True, slots=True)
 class GroupEventInfo:
     """Static facts about one cache group that its events carry."""

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from hybridkv.config import CacheConfig
 from hybridkv.coordinator import HybridCoordinator
-from hybridkv.events.log import VLLM_KIND_OF, EventLog, GroupEventInfo
-from hybridkv.specs import SlidingWindowSpec
+from hybridkv.events.log import EventLog, GroupEventInfo
 
 
 def make_event_log(config: CacheConfig, coordinator: HybridCoordinator,
@@ -17,7 +16,6 @@ def make_event_log(config: CacheConfig, coordinator: HybridCoordinator,
     groups: list[GroupEventInfo] = []
     for group, group_manager in zip(config.groups, coordinator.managers, strict=True):
         spec = group.spec
-        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
         cap, bs = group_manager.max_hit_tail_blocks(), spec.block_size
         align = coordinator.alignment_tokens
         capped = cap > 0 and all(  # checked, not assumed: the rule is the manager's
@@ -25,7 +23,7 @@ def make_event_log(config: CacheConfig, coordinator: HybridCoordinator,
             for p in range(align, (cap + 2) * bs + align, align))
         groups.append(GroupEventInfo(
             group_id=group.group_id, block_size=bs, hash_ratio=max(1, bs // hb),
-            kind=VLLM_KIND_OF.get(spec.kind, "unknown"), sliding_window=window,
+            kind=spec.vllm_kind, sliding_window=spec.window_tokens,
             tail_blocks=group_manager.hit_tail_blocks, max_tail_blocks=cap,
             capped_prefix_rule=capped))
     return EventLog(groups, hb, coordinator.alignment_tokens,

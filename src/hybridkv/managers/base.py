@@ -90,7 +90,41 @@ def blocks_in_every_group(getters: Sequence[Callable[[BlockHash], Block | None]]
     return found
 
 
-class GroupManager(ABC):
+class CacheUnit(ABC):
+    """What the coordinator drives at each step: one group's manager, or one batch of
+    sibling groups with an identical spec (``hybridkv.siblings.SiblingBatch``).
+
+    ``lead``: the manager whose answers stand for the unit (a batch's first member)."""
+
+    lead: GroupManager
+
+    @abstractmethod
+    def allocate_into(self, req_id: ReqId, num_tokens: int, num_main_tokens: int,
+                      out: list[list[Block]]) -> None:
+        """Grow the unit's tables to ``num_tokens`` slots (``num_main_tokens`` where
+        lookahead slots are not allocated); append each group's new blocks to ``out``."""
+
+    @abstractmethod
+    def cache_blocks(self, req_id: ReqId, hashes: Sequence[BlockHash], hash_block_size: int,
+                     num_tokens: int, boundaries: Sequence[int],
+                     bridge_end_tokens: int = 0) -> None:
+        """Hash the newly full blocks the retention policy keeps."""
+
+    @abstractmethod
+    def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:
+        """Release the blocks no later token reads."""
+
+    @abstractmethod
+    def next_release_tokens(self, num_computed_tokens: int) -> int:
+        """Computed tokens from which another block can leave."""
+
+    @abstractmethod
+    def free(self, req_id: ReqId, session_id: str | None = None) -> None:
+        """Release the request's blocks (``session_id``: a finished request's session, for
+        the eviction policy)."""
+
+
+class GroupManager(CacheUnit):
     """Block tables of one cache group.
 
     Invariants:
@@ -111,6 +145,9 @@ class GroupManager(ABC):
     recurrent layers (vLLM 0.33 align mode)."""
     has_step_state: ClassVar[bool] = False
     """The manager keeps per-step state that ``new_step`` clears."""
+    writes_checkpoints: ClassVar[bool] = False
+    """Blocks hold state checkpoints written at chunk ends (recurrent groups: the
+    coordinator ends prefill chunks where a checkpoint must be written)."""
 
     def __init__(self, group: CacheGroup, pool: BlockPool, retention: RetentionPolicy,
                  *, alignment_tokens: int, use_eagle: bool) -> None:
@@ -127,6 +164,7 @@ class GroupManager(ABC):
         self.chain_block_size: int | None = None
         """Set for ``chain`` eviction: block size of the full-attention group blocks depend on."""
         self.is_chain_reference = False
+        self.lead = self
 
     # ------------------------------------------------------------------ hooks
     @classmethod
@@ -168,7 +206,7 @@ class GroupManager(ABC):
         """Blocks the running request's table needs to cover ``num_tokens`` slots."""
         return max(0, -(-num_tokens // self.block_size) - len(self.tables[req_id]))
 
-    def new_step(self) -> None:  # noqa: B027 - an optional hook, empty by default
+    def new_step(self) -> None:
         """A scheduler step starts (only managers with ``has_step_state`` are called)."""
 
     def note_computed(self, req_id: ReqId, num_computed_tokens: int) -> None:
@@ -239,6 +277,26 @@ class GroupManager(ABC):
         new_blocks = self.pool.allocate(num_new)
         table.extend(new_blocks)
         return new_blocks
+
+    def allocate_into(self, req_id: ReqId, num_tokens: int, num_main_tokens: int,
+                      out: list[list[Block]]) -> None:
+        out.append(self.allocate_new_blocks(
+            req_id, num_main_tokens if self.ignores_lookahead else num_tokens))
+
+    def set_checkpoint_policy(self, checkpoints: str) -> None:
+        """The policy's checkpoint mode (``ckpt:chunk|block|branch``); only groups that
+        write checkpoints use it."""
+
+    def add_copied_block(self, req_id: ReqId, block: Block, num_hit_tokens: int) -> None:
+        """``ckpt:branch`` copy-on-write hit inside a block: ``block`` (fresh, a copy of the
+        snapshot at ``num_hit_tokens``) ends the request's hit table."""
+        del num_hit_tokens
+        self.tables[req_id].append(block)
+
+    def snapshot_source(self, req_id: ReqId, num_tokens: int) -> Block:
+        """``ckpt:branch``: the block a snapshot at ``num_tokens`` (inside a block) copies:
+        the block holding that position."""
+        return self.tables[req_id][num_tokens // self.block_size]
 
     def cache_blocks(self, req_id: ReqId, hashes: Sequence[BlockHash], hash_block_size: int,
                      num_tokens: int, boundaries: Sequence[int],

@@ -39,7 +39,7 @@ from hybridkv.block import Block
 from hybridkv.errors import InvariantViolation
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers.base import GroupManager, blocks_in_every_group
-from hybridkv.policies import RetentionPolicy
+from hybridkv.policies import BLOCK_CHECKPOINTS, RetentionPolicy
 from hybridkv.pool import BlockPool, FreeTier
 from hybridkv.specs import CacheGroup, LayerSpec, RecurrentStateSpec
 
@@ -51,6 +51,7 @@ class RecurrentStateManager(GroupManager):
     eagle_margin: ClassVar[bool] = False
     has_step_state: ClassVar[bool] = True
     ignores_lookahead: ClassVar[bool] = True
+    writes_checkpoints: ClassVar[bool] = True
 
     def __init__(self, group: CacheGroup, pool: BlockPool, retention: RetentionPolicy,
                  *, alignment_tokens: int, use_eagle: bool) -> None:
@@ -242,7 +243,15 @@ class RecurrentStateManager(GroupManager):
         if hit_blocks and not hit_blocks[-1].is_null:
             self._state_tokens[req_id] = {len(hit_blocks) - 1: num_hit_tokens}
 
-    def add_copied_state(self, req_id: ReqId, block: Block, num_hit_tokens: int) -> None:
+    def set_checkpoint_policy(self, checkpoints: str) -> None:
+        self.every_block = checkpoints == BLOCK_CHECKPOINTS
+
+    def snapshot_source(self, req_id: ReqId, num_tokens: int) -> Block:
+        """The running state: the table's last block."""
+        del num_tokens
+        return self.tables[req_id][-1]
+
+    def add_copied_block(self, req_id: ReqId, block: Block, num_hit_tokens: int) -> None:
         """``ckpt:branch`` copy-on-write hit inside a block: ``block`` (fresh, appended at
         index ``num_hit_tokens // bs``) receives the state after ``num_hit_tokens`` tokens
         from the snapshot before the step runs; it is the step's source state."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from hybridkv.sim.limits import format_bytes
+from hybridkv.limits import format_bytes
 from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.replay import RunResult, TagTotals
 from hybridkv.sim.table_layout import CAUSE_LABELS, largest_miss, percent, report_table

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError, PoolTooSmallError
+from hybridkv.limits import check_pool_fits
 from hybridkv.models.shapes import ModelShape, num_blocks_for_memory, parse_size
 from hybridkv.parallel.processes import worker_init
 from hybridkv.parallel.task_feed import TaskFeed
@@ -25,10 +26,8 @@ from hybridkv.policies import CORE_POLICIES, PolicySpec
 from hybridkv.sim.bound import AdmissionLog, BoundShape, offline_optimum
 from hybridkv.sim.bound_share import BoundBroker, BoundKeys, BoundPair, set_bounds, shared_bounds
 from hybridkv.sim.ceiling import infinite_cache_ceiling
-from hybridkv.sim.limits import check_pool_fits
 from hybridkv.sim.replay import ProgressFn, ReplaySettings, RunResult, attach_bounds, replay
 from hybridkv.sim.report import PolicyRun
-from hybridkv.specs import FullAttentionSpec
 from hybridkv.traces.source import MICROBENCH, Source
 from hybridkv.traces.trace import Trace
 
@@ -102,7 +101,7 @@ def resolve_pool(num_blocks: int | None, kv_memory: str | None, shape: ModelShap
                  source: Source, *, num_processes: int = 1) -> int:
     """Pool size in blocks from ``--num-blocks`` or ``--kv-memory`` (or the protocol's or
     the default), refused when it is below 2 blocks or its bookkeeping would not fit in
-    this host's available memory (``hybridkv.sim.limits``)."""
+    this host's available memory (``hybridkv.limits``)."""
     if num_blocks is not None:
         if num_blocks < 2:
             raise ConfigError("--num-blocks", num_blocks, "must be >= 2 (block 0 is reserved)")
@@ -128,7 +127,7 @@ def check_pool_holds_requests(source: Source, config: CacheConfig) -> None:
     schedule can ever finish it. A lower bound (window and other groups need blocks too);
     the replay itself catches the rest (``replay``'s no-progress check)."""
     full = [g.spec.block_size for g in config.groups  # compressed attention counts too
-            if isinstance(g.spec, FullAttentionSpec)]
+            if g.spec.is_full_attention]
     if not full:
         return
     usable = config.num_blocks - 1
@@ -138,7 +137,7 @@ def check_pool_holds_requests(source: Source, config: CacheConfig) -> None:
             needed = sum(-(-num_tokens // block_size) for block_size in full)
             if needed > usable:
                 raise PoolTooSmallError(request.request_id, num_tokens, needed,
-                                        config.num_blocks)
+                                        config.num_blocks, origin=trace.origin)
 
 
 def pool_summary(shape: ModelShape, config: CacheConfig) -> dict[str, object]:
@@ -423,7 +422,7 @@ def _merged(a: RunResult, b: RunResult) -> RunResult:
 def source_bound(source: Source, config: CacheConfig) -> float | None:
     """Offline optimum of the measured requests at this pool's token capacity."""
     full = [g.spec.block_size for g in config.groups  # compressed attention counts too
-            if isinstance(g.spec, FullAttentionSpec)]
+            if g.spec.is_full_attention]
     if not full:
         return None
     block_size = full[0]
