@@ -33,7 +33,6 @@ from hybridkv.models.shapes import ModelShape, load_model
 from hybridkv.outputs import StagedOutputs, check_output_paths
 from hybridkv.policies import PolicySpec
 from hybridkv.sched.admission import parse_admissions
-from hybridkv.sim.report import plot_sweep, render_sweep_cells
 from hybridkv.sim.run import DEFAULT_MODEL, parse_policies, resolve_pool
 from hybridkv.sweep.cells import (
     ROW_FIELDS,
@@ -48,6 +47,7 @@ from hybridkv.sweep.cells import (
     key_material,
     too_small_row,
 )
+from hybridkv.sweep.report import plot_sweep, render_sweep_cells
 from hybridkv.sweep.run import SweepWork, run_processes, run_serial
 from hybridkv.sweep.store import ResultStore
 from hybridkv.traces.source import Source
