@@ -36,6 +36,7 @@ from hybridkv.sched.admission import parse_admissions
 from hybridkv.sim.run import DEFAULT_MODEL, parse_policies, resolve_pool
 from hybridkv.sweep.cells import (
     ROW_FIELDS,
+    TIME_FIELDS,
     Cell,
     CellError,
     CellOptions,
@@ -280,7 +281,9 @@ def _labelled(row: Row, cell: Cell) -> Row:
 
 def _write_csv(rows: Sequence[Row], path: Path) -> None:
     with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(ROW_FIELDS), extrasaction="ignore")
+        timed = any("ttft_p99_s" in row for row in rows)
+        writer = csv.DictWriter(handle, fieldnames=list(ROW_FIELDS) + (
+            list(TIME_FIELDS) if timed else []), extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
 

@@ -8,11 +8,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.table import Table
 
 from hybridkv.limits import format_bytes
 from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.replay import RunResult, TagTotals
-from hybridkv.sim.table_layout import CAUSE_LABELS, largest_miss, percent, report_table
+from hybridkv.sim.table_layout import (
+    CAUSE_LABELS,
+    largest_miss,
+    percent,
+    report_table,
+    seconds,
+)
 
 REPORT_HELP = """\
 The default table: policy, hit rate, bound, largest miss (the miss cause below with the
@@ -116,6 +123,9 @@ def _run_json(result: RunResult) -> dict[str, object]:
         "bound_fa_hit_tokens": result.bound_fa_hit_tokens,
         "miss_tokens": result.misses.as_dict(),
         "miss_shares": {k: round(v, 6) for k, v in result.misses.shares().items()},
+        **({"time": {k: round(v, 6) for k, v in result.time.items()},
+            "time_gpu": result.time_label, "request_times": result.request_times}
+           if result.time is not None else {}),
     }
 
 
@@ -124,17 +134,20 @@ def render_table(report: Report, console: Console, *, detail: bool = False) -> N
     largest miss cause, time; ``ceiling`` in the title, the best hit rate starred) and,
     with ``detail``, the tables of the rest (miss causes, tokens, waiting and time)."""
     show_admission = any(run.result.admission != "fcfs" for run in report.runs)
+    timed = any(run.result.time is not None for run in report.runs)
     table = report_table(
         f"{report.trace} on {report.model} · ceiling {percent(report.ceiling)}",
         ["policy", *(["admission"] if show_admission else []), "hit rate", "bound",
-         "largest miss", "wall s"], labels={"policy", "admission"})
+         *(["TTFT p99"] if timed else []), "largest miss", "wall s"],
+        labels={"policy", "admission"})
     best = max((r.result.hit_rate for r in report.runs), default=0.0)
     for run in report.runs:
         r = run.result
         mark = " *" if r.hit_rate == best and len(report.runs) > 1 else ""
+        ttft = [seconds(r.time["ttft_p99_s"]) if r.time else "–"] if timed else []
         table.add_row(f"{r.policy}{mark}", *([r.admission] if show_admission else []),
-                      percent(r.hit_rate), percent(r.bound), largest_miss(r.misses.shares()),
-                      f"{r.wall_seconds:.2f}")
+                      percent(r.hit_rate), percent(r.bound), *ttft,
+                      largest_miss(r.misses.shares()), f"{r.wall_seconds:.2f}")
     console.print(table)
     pool = pool_line(report.settings)
     if pool:
@@ -171,12 +184,34 @@ def _render_detail(report: Report, console: Console) -> None:
         times.add_row(label, f"{r.wait_p50_steps:,.0f}", f"{r.wait_p99_steps:,.0f}",
                       f"{r.wait_max_steps:,}", f"{r.steps:,}", f"{r.manager_seconds:.2f}",
                       f"{r.scheduler_seconds:.2f}", f"{r.wall_seconds:.2f}")
-    for table in (causes, tokens, times):
+    tables = [causes, tokens, times]
+    timed = [run.result for run in report.runs if run.result.time is not None]
+    if timed:
+        tables.append(_time_table(timed))
+    for table in tables:
         console.print(table)
     console.print(f"bound_fa: the offline optimum over full-attention blocks only (the "
                   f"largest: {percent(report.bound_fa)}); wait: steps from eligibility to "
                   "first admission (the replay has no time model); sched s: manager + "
                   "scheduler time.", style="dim", soft_wrap=True)
+
+
+def _time_table(results: Sequence[RunResult]) -> Table:
+    """``--clock time``: latency percentiles, input throughput, goodput, busy fraction
+    (e2e latency, output throughput and the share meeting the SLO: ``--json``)."""
+    goodput = any("goodput_rps" in (r.time or {}) for r in results)
+    table = report_table(f"time model ({results[0].time_label})",
+                         ["policy", "TTFT p50", "p90", "p99", "TPOT p50", "queue p99",
+                          "in tok/s", *(["goodput/s"] if goodput else []), "busy"],
+                         labels={"policy"})
+    for r in results:
+        t = r.time or {}
+        table.add_row(_label(r), *(seconds(t[k]) for k in (
+            "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "queue_p99_s")),
+            f"{t['input_tokens_per_s']:,.0f}",
+            *([f"{t.get('goodput_rps', 0.0):.2f}"] if goodput else []),
+            percent(t["busy_fraction"]))
+    return table
 
 
 def pool_line(settings: Mapping[str, object]) -> str:

@@ -143,9 +143,17 @@ def plot_sweep(rows: Sequence[Mapping[str, object]], path: Path, *,
 
     traces = list(dict.fromkeys(str(r["trace"]) for r in rows))
     models = list(dict.fromkeys(str(r["model"]) for r in rows))
-    fig, axes = plt.subplots(len(traces), len(models), squeeze=False,
-                             figsize=(6.5 * len(models), 4.2 * len(traces)))
+    timed = any(r.get("goodput_rps") is not None for r in rows)
+    fig, axes = plt.subplots(len(traces) * (2 if timed else 1), len(models), squeeze=False,
+                             figsize=(6.5 * len(models),
+                                      4.2 * len(traces) * (2 if timed else 1)))
     lines = list(dict.fromkeys((str(r["policy"]), str(r["admission"])) for r in rows))
+    if timed:
+        for (ti, trace), (mi, model) in ((t, m) for t in enumerate(traces)
+                                         for m in enumerate(models)):
+            panel = [r for r in rows if r["trace"] == trace and r["model"] == model
+                     and not is_too_small(r)]
+            _plot_goodput(axes[len(traces) + ti][mi], lines, panel, f"{trace} on {model}")
     for (ti, trace), (mi, model) in ((t, m) for t in enumerate(traces)
                                      for m in enumerate(models)):
         ax = axes[ti][mi]
@@ -169,6 +177,39 @@ def plot_sweep(rows: Sequence[Mapping[str, object]], path: Path, *,
     fig.tight_layout()
     fig.savefig(path, dpi=110, format=format)
     plt.close(fig)
+
+
+SLO_ATTAINMENT = 0.9
+"""A pool "meets the SLO" when this share of its requests meet ``--slo`` (the goodput
+plot marks the smallest such pool of each policy)."""
+
+
+def _plot_goodput(ax: Any, lines: Sequence[tuple[str, str]],
+                  panel: Sequence[Mapping[str, object]], title: str) -> None:
+    """``--clock time`` sweeps: goodput (requests/s meeting ``--slo``) against KV memory,
+    one line per policy, a star on the smallest pool where ``SLO_ATTAINMENT`` of the
+    requests meet the SLO."""
+    for number, line in enumerate(lines):
+        points = sorted((int(str(r["pool_bytes"])) / 2**30, float(str(r["goodput_rps"])),
+                         float(str(r.get("slo_attained") or 0.0)))
+                        for r in panel if (r["policy"], r["admission"]) == line
+                        and r.get("goodput_rps") is not None)
+        if not points:
+            continue
+        color = SWEEP_POLICY_COLORS[number % len(SWEEP_POLICY_COLORS)]
+        label = line[0] if line[1] == "fcfs" else f"{line[0]} [{line[1]}]"
+        ax.plot([p[0] for p in points], [p[1] for p in points], color=color,
+                marker=_MARKERS[number % len(_MARKERS)], markerfacecolor="none", label=label)
+        meets = [p for p in points if p[2] >= SLO_ATTAINMENT]
+        if meets:
+            ax.plot([meets[0][0]], [meets[0][1]], marker="*", markersize=14, color=color,
+                    linestyle="none")
+    ax.set_xlabel("KV memory (GiB)")
+    ax.set_ylabel("goodput (requests/s within the SLO)")
+    ax.set_title(f"{title}: goodput (* smallest pool with {SLO_ATTAINMENT:.0%} within "
+                 "the SLO)", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def _plot_policy_line(ax: Any, number: int, line: tuple[str, str],
