@@ -83,6 +83,7 @@ def test_cluster_reports_ttft_per_router(tmp_path: Path,
                  "--json", str(out)]) == 0
     assert "TTFT p99" in capsys.readouterr().out
     report = json.loads(out.read_text())
+    assert report["settings"]["time_gpu"] == "NVIDIA H200"
     runs = report["runs"]
     assert [r["router"] for r in runs] == ["round-robin", "least-loaded"]
     for run in runs:

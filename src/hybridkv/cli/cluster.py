@@ -183,6 +183,8 @@ def cmd_cluster(args: argparse.Namespace, console: Console, err_console: Console
         "concurrency": settings.max_in_flight, "admission": settings.instance.admission,
         "hash_algo": args.hash_algo, "eagle": args.eagle, "load_weight": args.load_weight,
         "bounded_load": args.bounded_load,
+        **({"time_gpu": replay_settings.timing.label(config)}
+           if replay_settings.timing is not None else {}),
     })
     render_cluster_table(report, console, detail=args.detail)
     with StagedOutputs() as staged:

@@ -87,7 +87,8 @@ def _render_detail(report: ClusterReport, console: Console) -> None:
     console.print(table)
     timed = [run for run in report.runs if run.time is not None]
     if timed:
-        times = report_table("time model: latency per router", [
+        times = report_table(f"time model ({report.settings.get('time_gpu', '')}): latency "
+                             "per router", [
             "router", "TTFT p50", "p90", "p99", "TPOT p50", "queue p99", "in tok/s",
             "busy"], labels={"router"})
         for run in timed:
