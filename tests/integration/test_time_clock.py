@@ -106,3 +106,17 @@ def test_bounded_load_rule_runs_and_is_recorded(tmp_path: Path,
         main(["cluster", *BASE[:6], "--bounded-load", "0.9"])
     assert exited.value.code == 2
     assert "must be a number >= 1, got '0.9'" in capsys.readouterr().err
+
+
+def test_one_instance_cluster_times_like_the_replay(tmp_path: Path) -> None:
+    """One instance behind any router is the replay with routing in 50 ms epochs: each
+    request reaches the instance at most one epoch after it arrived, so its TTFT is the
+    replay's plus at most the epochs it waited (here: within 0.1 s at the median)."""
+    replay = replay_json(tmp_path, "--clock", "time", "--rate", "0.2")
+    out = tmp_path / "one.json"
+    assert main(["cluster", *BASE[:6], "--model", "mistral-7b", "--kv-memory", "4GiB",
+                 "--policy", "latest", "--quiet", "--instances", "1", "--router",
+                 "round-robin", "--clock", "time", "--rate", "0.2", "--json", str(out)]) == 0
+    cluster = json.loads(out.read_text())["runs"][0]["time"]
+    assert replay["time"]["ttft_p50_s"] <= cluster["ttft_p50_s"] <= \
+        replay["time"]["ttft_p50_s"] + 0.1  # type: ignore[index]

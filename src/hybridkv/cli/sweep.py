@@ -267,8 +267,7 @@ def _report(args: argparse.Namespace, console: Console, cells: Sequence[Cell],
     too_small = sum(is_too_small(row) for row in rows)
     console.print(f"{len(cells)} cells: {state.computed} computed, {len(state.resumed)} "
                   f"resumed{where}" + (f", {too_small} too small" if too_small else "")
-                  + (f"; wrote {', '.join(written)}" if rows and written else ""),
-                  soft_wrap=True)
+                  + (f"; wrote {', '.join(written)}" if rows and written else ""))
     return 0
 
 

@@ -160,8 +160,8 @@ class Instance:
                 hash_prompt=self._hasher.for_request(request)
                 if self.config.enable_caching else None))
             if self._cost is not None:
-                self._times[request.request_id] = RequestTimes(
-                    max(self._arrivals[index], self.clock_s), request.input_length)
+                self._times[request.request_id] = RequestTimes(  # its true arrival:
+                    self._arrivals[index], request.input_length)  # the routing wait counts
         finished: list[Finished] = []
         queued: list[int] = []
         until = (self._epochs + 1) * self.settings.epoch_seconds

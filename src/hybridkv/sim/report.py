@@ -151,12 +151,12 @@ def render_table(report: Report, console: Console, *, detail: bool = False) -> N
     console.print(table)
     pool = pool_line(report.settings)
     if pool:
-        console.print(pool, soft_wrap=True)
+        console.print(pool)
     console.print(f"* = best hit rate; bound: offline optimum for each run's admission "
                   f"order (the largest: {percent(report.bound)}); ceiling: infinite cache; "
                   "largest miss: the miss cause of most missed tokens"
                   + ("" if detail else "; more columns: --detail, --json")
-                  + " (hybridkv replay --help)", style="dim", soft_wrap=True)
+                  + " (hybridkv replay --help)", style="dim")
     if detail:
         _render_detail(report, console)
     if any(run.fractions for run in report.runs):
@@ -193,7 +193,7 @@ def _render_detail(report: Report, console: Console) -> None:
     console.print(f"bound_fa: the offline optimum over full-attention blocks only (the "
                   f"largest: {percent(report.bound_fa)}); wait: steps from eligibility to "
                   "first admission (the replay has no time model); sched s: manager + "
-                  "scheduler time.", style="dim", soft_wrap=True)
+                  "scheduler time.", style="dim")
 
 
 def _time_table(results: Sequence[RunResult]) -> Table:

@@ -70,7 +70,7 @@ def render_sweep_cells(cells: Sequence[Cell], rows: Mapping[str, Mapping[str, ob
                   + ("; too small: the pool cannot hold the trace's largest request, needs ≥ "
                      "N blocks" if too_small else "")
                   + ("" if detail else "; more columns: --detail, --csv, --json")
-                  + " (hybridkv replay --help)", style="dim", soft_wrap=True)
+                  + " (hybridkv replay --help)", style="dim")
 
 
 @dataclass(frozen=True, slots=True)
