@@ -11,7 +11,7 @@ Subclasses implement ``find_longest_hit`` (a classmethod: lookups never modify a
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
 from typing import ClassVar
@@ -90,41 +90,44 @@ def blocks_in_every_group(getters: Sequence[Callable[[BlockHash], Block | None]]
     return found
 
 
-class CacheUnit(ABC):
+class CacheUnit:
     """What the coordinator drives at each step: one group's manager, or one batch of
     sibling groups with an identical spec (``hybridkv.siblings.SiblingBatch``).
 
-    ``lead``: the manager whose answers stand for the unit (a batch's first member)."""
+    ``lead``: the manager whose answers stand for the unit (a batch's first member).
+
+    A plain base (not an ``ABC``): under mypyc the subclasses of a compiled ABC share its
+    ``isinstance`` cache, so a batch and a manager must not have an ABC root in common."""
 
     lead: GroupManager
 
-    @abstractmethod
     def allocate_into(self, req_id: ReqId, num_tokens: int, num_main_tokens: int,
                       out: list[list[Block]]) -> None:
         """Grow the unit's tables to ``num_tokens`` slots (``num_main_tokens`` where
         lookahead slots are not allocated); append each group's new blocks to ``out``."""
+        raise NotImplementedError
 
-    @abstractmethod
     def cache_blocks(self, req_id: ReqId, hashes: Sequence[BlockHash], hash_block_size: int,
                      num_tokens: int, boundaries: Sequence[int],
                      bridge_end_tokens: int = 0) -> None:
         """Hash the newly full blocks the retention policy keeps."""
+        raise NotImplementedError
 
-    @abstractmethod
     def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:
         """Release the blocks no later token reads."""
+        raise NotImplementedError
 
-    @abstractmethod
     def next_release_tokens(self, num_computed_tokens: int) -> int:
         """Computed tokens from which another block can leave."""
+        raise NotImplementedError
 
-    @abstractmethod
     def free(self, req_id: ReqId, session_id: str | None = None) -> None:
         """Release the request's blocks (``session_id``: a finished request's session, for
         the eviction policy)."""
+        raise NotImplementedError
 
 
-class GroupManager(CacheUnit):
+class GroupManager(CacheUnit, metaclass=ABCMeta):
     """Block tables of one cache group.
 
     Invariants:

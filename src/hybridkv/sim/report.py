@@ -6,14 +6,21 @@ import json
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.table import Table
 
 from hybridkv.sim.limits import format_bytes
 from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.replay import RunResult, TagTotals
-from hybridkv.sim.table_layout import CAUSE_LABELS, largest_miss, percent, report_table
+from hybridkv.sim.table_layout import (
+    CAUSE_LABELS,
+    largest_miss,
+    percent,
+    report_table,
+    seconds,
+)
 
 if TYPE_CHECKING:  # sweep imports the commands, which import this module
     from hybridkv.sim.sweep import Cell
@@ -120,6 +127,9 @@ def _run_json(result: RunResult) -> dict[str, object]:
         "bound_fa_hit_tokens": result.bound_fa_hit_tokens,
         "miss_tokens": result.misses.as_dict(),
         "miss_shares": {k: round(v, 6) for k, v in result.misses.shares().items()},
+        **({"time": {k: round(v, 6) for k, v in result.time.items()},
+            "time_gpu": result.time_label, "request_times": result.request_times}
+           if result.time is not None else {}),
     }
 
 
@@ -128,26 +138,29 @@ def render_table(report: Report, console: Console, *, detail: bool = False) -> N
     largest miss cause, time; ``ceiling`` in the title, the best hit rate starred) and,
     with ``detail``, the tables of the rest (miss causes, tokens, waiting and time)."""
     show_admission = any(run.result.admission != "fcfs" for run in report.runs)
+    timed = any(run.result.time is not None for run in report.runs)
     table = report_table(
         f"{report.trace} on {report.model} · ceiling {percent(report.ceiling)}",
         ["policy", *(["admission"] if show_admission else []), "hit rate", "bound",
-         "largest miss", "wall s"], labels={"policy", "admission"})
+         *(["TTFT p99"] if timed else []), "largest miss", "wall s"],
+        labels={"policy", "admission"})
     best = max((r.result.hit_rate for r in report.runs), default=0.0)
     for run in report.runs:
         r = run.result
         mark = " *" if r.hit_rate == best and len(report.runs) > 1 else ""
+        ttft = [seconds(r.time["ttft_p99_s"]) if r.time else "–"] if timed else []
         table.add_row(f"{r.policy}{mark}", *([r.admission] if show_admission else []),
-                      percent(r.hit_rate), percent(r.bound), largest_miss(r.misses.shares()),
-                      f"{r.wall_seconds:.2f}")
+                      percent(r.hit_rate), percent(r.bound), *ttft,
+                      largest_miss(r.misses.shares()), f"{r.wall_seconds:.2f}")
     console.print(table)
     pool = pool_line(report.settings)
     if pool:
-        console.print(pool, soft_wrap=True)
+        console.print(pool)
     console.print(f"* = best hit rate; bound: offline optimum for each run's admission "
                   f"order (the largest: {percent(report.bound)}); ceiling: infinite cache; "
                   "largest miss: the miss cause of most missed tokens"
                   + ("" if detail else "; more columns: --detail, --json")
-                  + " (hybridkv replay --help)", style="dim", soft_wrap=True)
+                  + " (hybridkv replay --help)", style="dim")
     if detail:
         _render_detail(report, console)
     if any(run.fractions for run in report.runs):
@@ -175,12 +188,34 @@ def _render_detail(report: Report, console: Console) -> None:
         times.add_row(label, f"{r.wait_p50_steps:,.0f}", f"{r.wait_p99_steps:,.0f}",
                       f"{r.wait_max_steps:,}", f"{r.steps:,}", f"{r.manager_seconds:.2f}",
                       f"{r.scheduler_seconds:.2f}", f"{r.wall_seconds:.2f}")
-    for table in (causes, tokens, times):
+    tables = [causes, tokens, times]
+    timed = [run.result for run in report.runs if run.result.time is not None]
+    if timed:
+        tables.append(_time_table(timed))
+    for table in tables:
         console.print(table)
     console.print(f"bound_fa: the offline optimum over full-attention blocks only (the "
                   f"largest: {percent(report.bound_fa)}); wait: steps from eligibility to "
                   "first admission (the replay has no time model); sched s: manager + "
-                  "scheduler time.", style="dim", soft_wrap=True)
+                  "scheduler time.", style="dim")
+
+
+def _time_table(results: Sequence[RunResult]) -> Table:
+    """``--clock time``: latency percentiles, input throughput, goodput, busy fraction
+    (e2e latency, output throughput and the share meeting the SLO: ``--json``)."""
+    goodput = any("goodput_rps" in (r.time or {}) for r in results)
+    table = report_table(f"time model ({results[0].time_label})",
+                         ["policy", "TTFT p50", "p90", "p99", "TPOT p50", "queue p99",
+                          "in tok/s", *(["goodput/s"] if goodput else []), "busy"],
+                         labels={"policy"})
+    for r in results:
+        t = r.time or {}
+        table.add_row(_label(r), *(seconds(t[k]) for k in (
+            "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "queue_p99_s")),
+            f"{t['input_tokens_per_s']:,.0f}",
+            *([f"{t.get('goodput_rps', 0.0):.2f}"] if goodput else []),
+            percent(t["busy_fraction"]))
+    return table
 
 
 def pool_line(settings: Mapping[str, object]) -> str:
@@ -200,26 +235,32 @@ def pool_line(settings: Mapping[str, object]) -> str:
 
 
 def render_sweep_cells(cells: Sequence[Cell], rows: Mapping[str, Mapping[str, object]],
-                       errors: Mapping[str, str], resumed: Collection[str],
-                       console: Console, *, detail: bool = False) -> None:
+                       resumed: Collection[str], console: Console, *,
+                       detail: bool = False) -> None:
     """A sweep's cells, one table per (trace, model) with its ``ceiling`` in the title:
     pool, policy, admission order (when not all ``fcfs``), hit rate, ``bound``, the
     largest miss cause and time; ``*`` marks the best hit rate of a pool size, ``r`` a
-    cell resumed from ``--results``, a failed cell says so. ``detail`` adds a table per
-    (trace, model) of the miss-cause shares, ``bound_fa``, tokens and preemptions."""
+    cell resumed from ``--results``; a pool too small for the trace reads ``too small``
+    and ``needs ≥ N`` (the smallest pool that holds its largest request). ``detail`` adds
+    a table per (trace, model) of the miss-cause shares, ``bound_fa``, tokens and
+    preemptions."""
     panels = list(dict.fromkeys((c.source, c.model) for c in cells))
     show = _SweepColumns(admission=any(c.admission != "fcfs" for c in cells),
                          memory=any(c.kv_memory for c in cells),
                          resumed=any(c.key in resumed for c in cells))
+    from hybridkv.sim.sweep import is_too_small  # sweep imports this module (commands)
+
+    measured = {key: row for key, row in rows.items() if not is_too_small(row)}
     best: dict[tuple[str, str, int], float] = {}
     for c in cells:
-        if c.key in rows:
+        if c.key in measured:
             rate = float(str(rows[c.key]["hit_rate"]))
             slot = (c.source, c.model, c.num_blocks)
             best[slot] = max(best.get(slot, rate), rate)
     for source, model in panels:
         panel = [c for c in cells if (c.source, c.model) == (source, model)]
-        ceilings = sorted({float(str(rows[c.key]["ceiling"])) for c in panel if c.key in rows})
+        ceilings = sorted({float(str(measured[c.key]["ceiling"])) for c in panel
+                           if c.key in measured})
         ceiling = ("n/a" if not ceilings else percent(ceilings[0]) if len(ceilings) == 1
                    else f"{percent(ceilings[0])}–{percent(ceilings[-1])}")
         table = report_table(f"{source} on {model} · ceiling {ceiling}",
@@ -228,10 +269,10 @@ def render_sweep_cells(cells: Sequence[Cell], rows: Mapping[str, Mapping[str, ob
                              labels={"policy", "admission", ""})
         for c in panel:
             row = rows.get(c.key)
-            if row is None:
-                table.add_row(*show.lead_cells(c),
-                              "failed" if c.key in errors else errors.get(c.key, "not run"),
-                              "", "", "", *([""] if show.resumed else []))
+            if row is None or is_too_small(row):
+                needs = "" if row is None else f"needs ≥ {int(str(row['min_num_blocks'])):,}"
+                table.add_row(*show.lead_cells(c), "not run" if row is None else "too small",
+                              "", needs, "", *([""] if show.resumed else []))
                 continue
             rate = float(str(row["hit_rate"]))
             mark = " *" if rate == best[(c.source, c.model, c.num_blocks)] else ""
@@ -242,11 +283,14 @@ def render_sweep_cells(cells: Sequence[Cell], rows: Mapping[str, Mapping[str, ob
         console.print(table)
         if detail:
             _render_sweep_detail(panel, rows, show, console)
+    too_small = any(is_too_small(row) for row in rows.values())
     console.print("* = best hit rate of its pool size; r = resumed from --results; bound: "
                   "offline optimum of each run's admissions; largest miss: the miss cause of "
                   "most missed tokens"
+                  + ("; too small: the pool cannot hold the trace's largest request, needs ≥ "
+                     "N blocks" if too_small else "")
                   + ("" if detail else "; more columns: --detail, --csv, --json")
-                  + " (hybridkv replay --help)", style="dim", soft_wrap=True)
+                  + " (hybridkv replay --help)", style="dim")
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +325,8 @@ def _shares(row: Mapping[str, object]) -> dict[str, float]:
 def _render_sweep_detail(panel: Sequence[Cell], rows: Mapping[str, Mapping[str, object]],
                          show: _SweepColumns, console: Console) -> None:
     """Two tables: the miss-cause shares; ``bound_fa``, tokens and preemptions."""
+    from hybridkv.sim.sweep import is_too_small
+
     lead = ["blocks", "policy", *(["admission"] if show.admission else [])]
     causes = report_table("miss causes (shares of the missed tokens)",
                           [*lead, *(CAUSE_LABELS[c] for c in MISS_CAUSES)],
@@ -290,7 +336,7 @@ def _render_sweep_detail(panel: Sequence[Cell], rows: Mapping[str, Mapping[str, 
                           labels={"policy", "admission"})
     for c in panel:
         row = rows.get(c.key)
-        if row is None:
+        if row is None or is_too_small(row):
             continue
         cells = [f"{c.num_blocks:,}", c.policy, *([c.admission] if show.admission else [])]
         shares = _shares(row)
@@ -389,6 +435,7 @@ SWEEP_POLICY_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab
 SWEEP_CEILING_COLOR = "red"
 """The ceiling's colour: none of ``SWEEP_POLICY_COLORS``."""
 SWEEP_BOUND_COLOR = "black"
+SWEEP_TOO_SMALL_COLOR = "grey"
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "*", "p")
 _DASHES = ("-", "--", "-.", ":")
 
@@ -399,18 +446,29 @@ def plot_sweep(rows: Sequence[Mapping[str, object]], path: Path, *,
     (and admission order), with ``bound`` (the largest per-run one of each pool size,
     black) and ``ceiling`` (red, a colour no policy uses). Coinciding lines stay
     readable: each policy has its own hollow marker, drawn smaller than the one before,
-    so equal points nest instead of hiding each other. Pool sizes spanning 10× or more
-    get a log axis."""
+    so equal points nest instead of hiding each other. Pool sizes too small for the
+    trace are grey crosses on the axis, with the smallest pool that holds it. Pool sizes
+    spanning 10× or more get a log axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from hybridkv.sim.sweep import is_too_small
+
     traces = list(dict.fromkeys(str(r["trace"]) for r in rows))
     models = list(dict.fromkeys(str(r["model"]) for r in rows))
-    fig, axes = plt.subplots(len(traces), len(models), squeeze=False,
-                             figsize=(6.5 * len(models), 4.2 * len(traces)))
+    timed = any(r.get("goodput_rps") is not None for r in rows)
+    fig, axes = plt.subplots(len(traces) * (2 if timed else 1), len(models), squeeze=False,
+                             figsize=(6.5 * len(models),
+                                      4.2 * len(traces) * (2 if timed else 1)))
     lines = list(dict.fromkeys((str(r["policy"]), str(r["admission"])) for r in rows))
+    if timed:
+        for (ti, trace), (mi, model) in ((t, m) for t in enumerate(traces)
+                                         for m in enumerate(models)):
+            panel = [r for r in rows if r["trace"] == trace and r["model"] == model
+                     and not is_too_small(r)]
+            _plot_goodput(axes[len(traces) + ti][mi], lines, panel, f"{trace} on {model}")
     for (ti, trace), (mi, model) in ((t, m) for t in enumerate(traces)
                                      for m in enumerate(models)):
         ax = axes[ti][mi]
@@ -418,30 +476,12 @@ def plot_sweep(rows: Sequence[Mapping[str, object]], path: Path, *,
         if not panel:
             ax.set_visible(False)
             continue
-        for number, (policy, admission) in enumerate(lines):
-            points = sorted((int(str(r["num_blocks"])), 100 * float(str(r["hit_rate"])))
-                            for r in panel if (r["policy"], r["admission"]) == (policy,
-                                                                                 admission))
-            if not points:
-                continue
-            label = policy if admission == "fcfs" else f"{policy} [{admission}]"
-            color = SWEEP_POLICY_COLORS[number % len(SWEEP_POLICY_COLORS)]
-            dash = _DASHES[number // len(SWEEP_POLICY_COLORS) % len(_DASHES)]
-            ax.plot([p[0] for p in points], [p[1] for p in points], color=color,
-                    linestyle=dash, marker=_MARKERS[number % len(_MARKERS)],
-                    markersize=max(3.0, 11.0 - 1.2 * number), markerfacecolor="none",
-                    markeredgewidth=1.4, linewidth=1.2, label=label)
+        measured = [r for r in panel if not is_too_small(r)]
+        for number, line in enumerate(lines):
+            _plot_policy_line(ax, number, line, measured)
+        _plot_limits(ax, measured)
+        _mark_too_small(ax, [r for r in panel if is_too_small(r)])
         pools = sorted({int(str(r["num_blocks"])) for r in panel})
-        bounds = [max((b for r in panel if int(str(r["num_blocks"])) == n
-                       and (b := _float(r["bound"])) is not None), default=None)
-                  for n in pools]
-        known = [(n, 100 * b) for n, b in zip(pools, bounds, strict=True) if b is not None]
-        if known:
-            ax.plot([k[0] for k in known], [k[1] for k in known], color=SWEEP_BOUND_COLOR,
-                    linestyle=":", marker="x", linewidth=1.2, label="bound")
-        ceiling = max(float(str(r["ceiling"])) for r in panel)
-        ax.axhline(100 * ceiling, color=SWEEP_CEILING_COLOR, linestyle="--", linewidth=1.2,
-                   label="ceiling")
         if pools[-1] >= 10 * pools[0]:
             ax.set_xscale("log")
         ax.set_xlabel("pool size (blocks)")
@@ -452,3 +492,83 @@ def plot_sweep(rows: Sequence[Mapping[str, object]], path: Path, *,
     fig.tight_layout()
     fig.savefig(path, dpi=110, format=format)
     plt.close(fig)
+
+
+SLO_ATTAINMENT = 0.9
+"""A pool "meets the SLO" when this share of its requests meet ``--slo`` (the goodput
+plot marks the smallest such pool of each policy)."""
+
+
+def _plot_goodput(ax: Any, lines: Sequence[tuple[str, str]],
+                  panel: Sequence[Mapping[str, object]], title: str) -> None:
+    """``--clock time`` sweeps: goodput (requests/s meeting ``--slo``) against KV memory,
+    one line per policy, a star on the smallest pool where ``SLO_ATTAINMENT`` of the
+    requests meet the SLO."""
+    for number, line in enumerate(lines):
+        points = sorted((int(str(r["pool_bytes"])) / 2**30, float(str(r["goodput_rps"])),
+                         float(str(r.get("slo_attained") or 0.0)))
+                        for r in panel if (r["policy"], r["admission"]) == line
+                        and r.get("goodput_rps") is not None)
+        if not points:
+            continue
+        color = SWEEP_POLICY_COLORS[number % len(SWEEP_POLICY_COLORS)]
+        label = line[0] if line[1] == "fcfs" else f"{line[0]} [{line[1]}]"
+        ax.plot([p[0] for p in points], [p[1] for p in points], color=color,
+                marker=_MARKERS[number % len(_MARKERS)], markerfacecolor="none", label=label)
+        meets = [p for p in points if p[2] >= SLO_ATTAINMENT]
+        if meets:
+            ax.plot([meets[0][0]], [meets[0][1]], marker="*", markersize=14, color=color,
+                    linestyle="none")
+    ax.set_xlabel("KV memory (GiB)")
+    ax.set_ylabel("goodput (requests/s within the SLO)")
+    ax.set_title(f"{title}: goodput (* smallest pool with {SLO_ATTAINMENT:.0%} within "
+                 "the SLO)", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _plot_policy_line(ax: Any, number: int, line: tuple[str, str],
+                      panel: Sequence[Mapping[str, object]]) -> None:
+    """One policy's (and admission order's) hit rate over the pool sizes, in the
+    ``number``-th colour, dash and marker."""
+    policy, admission = line
+    points = sorted((int(str(r["num_blocks"])), 100 * float(str(r["hit_rate"])))
+                    for r in panel if (r["policy"], r["admission"]) == line)
+    if not points:
+        return
+    label = policy if admission == "fcfs" else f"{policy} [{admission}]"
+    color = SWEEP_POLICY_COLORS[number % len(SWEEP_POLICY_COLORS)]
+    dash = _DASHES[number // len(SWEEP_POLICY_COLORS) % len(_DASHES)]
+    ax.plot([p[0] for p in points], [p[1] for p in points], color=color,
+            linestyle=dash, marker=_MARKERS[number % len(_MARKERS)],
+            markersize=max(3.0, 11.0 - 1.2 * number), markerfacecolor="none",
+            markeredgewidth=1.4, linewidth=1.2, label=label)
+
+
+def _plot_limits(ax: Any, panel: Sequence[Mapping[str, object]]) -> None:
+    """``bound`` (the largest of each pool size) and ``ceiling`` of a panel's measured
+    cells."""
+    if not panel:
+        return
+    pools = sorted({int(str(r["num_blocks"])) for r in panel})
+    bounds = [max((b for r in panel if int(str(r["num_blocks"])) == n
+                   and (b := _float(r["bound"])) is not None), default=None)
+              for n in pools]
+    known = [(n, 100 * b) for n, b in zip(pools, bounds, strict=True) if b is not None]
+    if known:
+        ax.plot([k[0] for k in known], [k[1] for k in known], color=SWEEP_BOUND_COLOR,
+                linestyle=":", marker="x", linewidth=1.2, label="bound")
+    ceiling = max(float(str(r["ceiling"])) for r in panel)
+    ax.axhline(100 * ceiling, color=SWEEP_CEILING_COLOR, linestyle="--", linewidth=1.2,
+               label="ceiling")
+
+
+def _mark_too_small(ax: Any, panel: Sequence[Mapping[str, object]]) -> None:
+    """Grey crosses at 0% for the pool sizes too small for the trace, labelled with the
+    smallest pool that holds it."""
+    if not panel:
+        return
+    pools = sorted({int(str(r["num_blocks"])) for r in panel})
+    needs = max(int(str(r["min_num_blocks"])) for r in panel)
+    ax.scatter(pools, [0.0] * len(pools), marker="X", s=60, color=SWEEP_TOO_SMALL_COLOR,
+               zorder=3, label=f"too small: needs ≥ {needs:,} blocks")

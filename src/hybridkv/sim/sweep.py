@@ -60,22 +60,33 @@ from hybridkv.sim.commands import (
 from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.model import ModelShape
 from hybridkv.sim.replay import ReplaySettings, RunResult
+from hybridkv.sim.timed import TimeSettings
 
-KEY_FORMAT = 1
+KEY_FORMAT = 2
 """Bumped when the key material or the row layout changes (old rows are then ignored)."""
 
 TIMING_FIELDS = ("manager_seconds", "wall_seconds")
 """Row fields that measure this run's speed; every other field is a pure function of the
 cell (``--jobs``, Ray and a serial run agree on them exactly)."""
 
+STATUS_OK = "ok"
+STATUS_TOO_SMALL = "too small"
+"""A row's ``status``: the cell ran, or its pool cannot hold some request of its trace
+(``min_num_blocks`` is then the smallest pool that can; the measurements are empty)."""
+
 ROW_FIELDS = (
     "trace", "model", "num_blocks", "kv_memory", "pool_bytes", "policy", "admission",
-    "hit_rate", "bound", "bound_fa", "ceiling", "hit_tokens", "prompt_tokens",
+    "status", "min_num_blocks", "hit_rate", "bound", "bound_fa", "ceiling", "hit_tokens",
+    "prompt_tokens",
     *(f"miss_{cause}" for cause in MISS_CAUSES),
     "preemptions", "steps", "evicted_blocks", "wait_p50_steps", "wait_p99_steps",
     "wait_max_steps", *TIMING_FIELDS, "key",
 )
 """Columns of the CSV, in order (the JSON has the same fields per cell)."""
+
+TIME_FIELDS = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "goodput_rps", "slo_attained",
+               "busy_fraction", "time_gpu")
+"""``--clock time`` columns, after ``ROW_FIELDS`` (absent on the step clock)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +114,14 @@ class Cell:
 
 @dataclass(frozen=True, slots=True)
 class CellError:
-    """Why a cell could not run (a pool too small for some request): reported, not
-    stored, the rest of the sweep goes on."""
+    """A cell whose pool cannot hold some request of its trace (found before the replay,
+    or by it): a result, not a failure — its row is ``too_small_row`` — and the rest of
+    the sweep goes on."""
 
     message: str
+    min_num_blocks: int
+    """The smallest pool (blocks, the null block included) that holds the request."""
+    pool_bytes: int
 
 
 Row = dict[str, object]
@@ -172,6 +187,7 @@ def key_material(source_identity: Mapping[str, object], shape: ModelShape, num_b
                      "reserve_full_prompt": settings.reserve_full_prompt,
                      "lookahead_requests": settings.lookahead_requests,
                      "hash_algo": options.hash_algo, "eagle": options.eagle},
+        **({"timing": time_key(settings.timing)} if settings.timing is not None else {}),
     }
 
 
@@ -203,11 +219,31 @@ class CellBoundTask:
     keys: BoundKeys
 
 
+def time_key(timing: TimeSettings) -> dict[str, object]:
+    """``--clock time`` settings in a cell's key (everything but the per-cell model)."""
+    return {"gpu": timing.gpu, "tp": timing.tp, "time_scale": timing.time_scale,
+            "rate": timing.rate, "seed": timing.seed,
+            "slo": None if timing.slo is None else [timing.slo.ttft_s, timing.slo.tpot_s]}
+
+
+def time_columns(result: RunResult) -> dict[str, object]:
+    """A row's ``--clock time`` columns (none on the step clock)."""
+    if result.time is None:
+        return {}
+    t = result.time
+    return {"ttft_p50_s": t["ttft_p50_s"], "ttft_p99_s": t["ttft_p99_s"],
+            "tpot_p50_s": t["tpot_p50_s"], "goodput_rps": t.get("goodput_rps"),
+            "slo_attained": t.get("slo_attained"),
+            "busy_fraction": t["busy_fraction"], "time_gpu": result.time_label}
+
+
 def replay_cell(source: Source, shape: ModelShape, cell: Cell, options: CellOptions,
                 progress: Progress | None = None) -> CellReplay | CellError:
     """Replay one cell (no bounds yet); ``CellError`` when the pool is too small for some
     request."""
     settings = replace(options.settings, admission=cell.admission)
+    if settings.timing is not None:  # the cell's own model sizes its steps
+        settings = replace(settings, timing=replace(settings.timing, model=shape.name))
     config = shape.cache_config(cell.num_blocks, hash_algo=options.hash_algo,
                                 use_eagle=options.eagle,
                                 max_num_batched_tokens=settings.chunk_size)
@@ -215,7 +251,8 @@ def replay_cell(source: Source, shape: ModelShape, cell: Cell, options: CellOpti
         check_pool_holds_requests(source, config)
         results = replay_policy(source, config, cell.policy, settings, progress)
     except PoolTooSmallError as err:
-        return CellError(str(err))
+        return CellError(str(err), err.blocks_needed + 1,
+                         cell.num_blocks * shape.bytes_per_block)
     keys = log_keys(source, config, results)
     for scenario, result in results.items():
         if scenario not in keys:
@@ -251,8 +288,9 @@ def cell_row(source: Source, shape: ModelShape, cell: Cell, replayed: CellReplay
     row: Row = {
         "trace": cell.source, "model": cell.model, "num_blocks": cell.num_blocks,
         "kv_memory": cell.kv_memory or "", "pool_bytes": cell.num_blocks * shape.bytes_per_block,
-        "policy": cell.policy, "admission": cell.admission,
-        "hit_rate": result.hit_rate, "bound": result.bound, "bound_fa": result.bound_fa,
+        "policy": cell.policy, "admission": cell.admission, "status": STATUS_OK,
+        "min_num_blocks": None, "hit_rate": result.hit_rate, "bound": result.bound,
+        "bound_fa": result.bound_fa,
         "ceiling": replayed.ceiling, "hit_tokens": result.hit_tokens,
         "prompt_tokens": result.prompt_tokens,
         **{f"miss_{cause}": tokens for cause, tokens in result.misses.as_dict().items()},
@@ -264,9 +302,32 @@ def cell_row(source: Source, shape: ModelShape, cell: Cell, replayed: CellReplay
         "wait_max_steps": result.wait_max_steps,
         "manager_seconds": round(result.manager_seconds, 4),
         "wall_seconds": round(result.wall_seconds, 4), "key": cell.key,
+        **time_columns(result),
     }
-    assert tuple(row) == ROW_FIELDS
+    assert tuple(row) in (ROW_FIELDS, ROW_FIELDS + TIME_FIELDS)
     return row
+
+
+def too_small_row(cell: Cell, error: CellError) -> Row:
+    """The row of a cell whose pool is too small: its labels, ``status`` "too small" and
+    ``min_num_blocks``; every measurement ``None`` (empty in the CSV, ``null`` in JSON).
+
+    >>> cell = Cell("mooncake", "gemma3-bench", 8192, "latest", "fcfs", "8GiB", "k")
+    >>> row = too_small_row(cell, CellError("…", 8449, 8 << 30))
+    >>> row["status"], row["min_num_blocks"], row["hit_rate"], tuple(row) == ROW_FIELDS
+    ('too small', 8449, None, True)
+    """
+    labels: Row = {"trace": cell.source, "model": cell.model, "num_blocks": cell.num_blocks,
+                   "kv_memory": cell.kv_memory or "", "pool_bytes": error.pool_bytes,
+                   "policy": cell.policy, "admission": cell.admission,
+                   "status": STATUS_TOO_SMALL, "min_num_blocks": error.min_num_blocks,
+                   "key": cell.key}
+    return {name: labels.get(name) for name in ROW_FIELDS}
+
+
+def is_too_small(row: Mapping[str, object]) -> bool:
+    """Whether ``row`` is a too-small cell's (a CSV row's empty cells included)."""
+    return row.get("status") == STATUS_TOO_SMALL
 
 
 def without_timings(rows: Sequence[Mapping[str, object]]) -> list[dict[str, object]]:
@@ -303,6 +364,9 @@ def default_workers() -> int:
 
 __all__ = [
     "ROW_FIELDS",
+    "STATUS_OK",
+    "STATUS_TOO_SMALL",
+    "TIME_FIELDS",
     "TIMING_FIELDS",
     "Cell",
     "CellBoundTask",
@@ -318,8 +382,10 @@ __all__ = [
     "default_workers",
     "dispatch_order",
     "file_fingerprint",
+    "is_too_small",
     "key_material",
     "model_identity",
     "replay_cell",
+    "too_small_row",
     "without_timings",
 ]
