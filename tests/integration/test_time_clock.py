@@ -28,8 +28,10 @@ def replay_json(tmp_path: Path, *extra: str) -> dict[str, object]:
 
 def test_time_clock_reports_seconds_per_request(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    run = replay_json(tmp_path, "--clock", "time", "--rate", "0.5", "--slo", "ttft=1000")
-    assert "TTFT p99" in capsys.readouterr().out
+    run = replay_json(tmp_path, "--clock", "time", "--rate", "0.5", "--slo", "ttft=1000",
+                      "--policy", "latest,interval:32768")
+    out = capsys.readouterr().out
+    assert "TTFT p99" in out and "* = best goodput" in out   # recommended in time
     time = run["time"]
     assert isinstance(time, dict)
     requests = run["request_times"]
@@ -38,8 +40,9 @@ def test_time_clock_reports_seconds_per_request(tmp_path: Path,
     assert time["ttft_p50_s"] <= time["ttft_p99_s"]
     assert 0 < time["busy_fraction"] <= 1
     assert time["goodput_rps"] == pytest.approx(12 / time["makespan_s"])   # all meet it
-    # the step clock has no time fields
-    assert "time" not in replay_json(tmp_path)
+    # the step clock has no time fields and stars the best hit rate
+    assert "time" not in replay_json(tmp_path, "--policy", "latest,interval:32768")
+    assert "* = best hit rate" in capsys.readouterr().out
 
 
 def test_a_slower_gpu_gives_longer_latencies(tmp_path: Path) -> None:

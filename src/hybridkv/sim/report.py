@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -135,7 +135,7 @@ def _run_json(result: RunResult) -> dict[str, object]:
 
 def render_table(report: Report, console: Console, *, detail: bool = False) -> None:
     """Print the default policy table (what a user decides on: hit rate, ``bound``, the
-    largest miss cause, time; ``ceiling`` in the title, the best hit rate starred) and,
+    largest miss cause, time; ``ceiling`` in the title, ``*`` per ``_star_rule``) and,
     with ``detail``, the tables of the rest (miss causes, tokens, waiting and time)."""
     show_admission = any(run.result.admission != "fcfs" for run in report.runs)
     timed = any(run.result.time is not None for run in report.runs)
@@ -144,10 +144,11 @@ def render_table(report: Report, console: Console, *, detail: bool = False) -> N
         ["policy", *(["admission"] if show_admission else []), "hit rate", "bound",
          *(["TTFT p99"] if timed else []), "largest miss", "wall s"],
         labels={"policy", "admission"})
-    best = max((r.result.hit_rate for r in report.runs), default=0.0)
+    score, star = _star_rule(report)
+    best = max((score(run.result) for run in report.runs), default=0.0)
     for run in report.runs:
         r = run.result
-        mark = " *" if r.hit_rate == best and len(report.runs) > 1 else ""
+        mark = " *" if score(r) == best and len(report.runs) > 1 else ""
         ttft = [seconds(r.time["ttft_p99_s"]) if r.time else "–"] if timed else []
         table.add_row(f"{r.policy}{mark}", *([r.admission] if show_admission else []),
                       percent(r.hit_rate), percent(r.bound), *ttft,
@@ -156,7 +157,7 @@ def render_table(report: Report, console: Console, *, detail: bool = False) -> N
     pool = pool_line(report.settings)
     if pool:
         console.print(pool)
-    console.print(f"* = best hit rate; bound: offline optimum for each run's admission "
+    console.print(f"* = {star}; bound: offline optimum for each run's admission "
                   f"order (the largest: {percent(report.bound)}); ceiling: infinite cache; "
                   "largest miss: the miss cause of most missed tokens"
                   + ("" if detail else "; more columns: --detail, --json")
@@ -165,6 +166,17 @@ def render_table(report: Report, console: Console, *, detail: bool = False) -> N
         _render_detail(report, console)
     if any(run.fractions for run in report.runs):
         _render_fractions(report, console)
+
+
+def _star_rule(report: Report) -> tuple[Callable[[RunResult], float], str]:
+    """What ``*`` marks: the best hit rate on the step clock; with ``--clock time`` the
+    best goodput under ``--slo`` (else the lowest TTFT p99): the recommendation is made in
+    time when there is time."""
+    if all(run.result.time is not None for run in report.runs) and report.runs:
+        if all("goodput_rps" in (run.result.time or {}) for run in report.runs):
+            return (lambda r: (r.time or {}).get("goodput_rps", 0.0)), "best goodput"
+        return (lambda r: -(r.time or {}).get("ttft_p99_s", 0.0)), "lowest TTFT p99"
+    return (lambda r: r.hit_rate), "best hit rate"
 
 
 def _render_detail(report: Report, console: Console) -> None:
