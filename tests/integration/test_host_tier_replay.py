@@ -10,9 +10,9 @@ import pytest
 from cli_harness import TINY_MODEL
 
 from hybridkv.cli import main
-from hybridkv.sim.model import load_model
+from hybridkv.models.shapes import load_model
 from hybridkv.sim.replay import ReplaySettings, replay
-from hybridkv.sim.workloads import aba, make_workload
+from hybridkv.traces.workloads import aba, make_workload
 
 BLOCK_BYTES = 2 * 16 * 64  # 2 layers per group × 16 tokens × 64 bytes (the pool's page)
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.cli import PIPED_WIDTH, main
+from hybridkv.cli import main
+from hybridkv.cli.app import PIPED_WIDTH
 
 WIDTHS = (80, 120, None)
 """Terminal widths tested; ``None`` = piped (no ``COLUMNS``: ``PIPED_WIDTH``)."""

@@ -18,9 +18,9 @@ from cli_harness import spawn_cli as _spawn
 from cli_harness import wait_for as _wait_for
 
 from hybridkv.cli import main
-from hybridkv.sim import report as report_module
-from hybridkv.sim import sweep_ray
-from hybridkv.sim.sweep import ROW_FIELDS, TIMING_FIELDS
+from hybridkv.sweep import ray as sweep_ray
+from hybridkv.sweep import report as report_module
+from hybridkv.sweep.cells import ROW_FIELDS, TIMING_FIELDS
 
 
 def _mooncake(path: Path, shift: int = 0) -> Path:

@@ -27,7 +27,7 @@ from hybridkv.errors import ConfigError
 from hybridkv.host_policies import check_host_policy, make_host_tier
 from hybridkv.host_tier import HostHit, HostReport, HostShape, HostTier, ReleasedBlocks
 from hybridkv.ids import BlockHash, GroupId, ReqId
-from hybridkv.sim.model import parse_size
+from hybridkv.models.shapes import parse_size
 
 
 class HostLink:
