@@ -84,6 +84,13 @@ class KindFacts:
         kinds without a window."""
         return 0
 
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens whose KV no later token reads once ``num_computed_tokens`` are computed:
+        none by default (full attention never releases KV while a request runs; V4.1's
+        ring is rewritten in place)."""
+        del num_computed_tokens
+        return 0
+
     def packing_key(self) -> tuple[object, ...]:
         """Layers with equal keys may share a block-outermost packed group: equal block
         size and slot needs (the kind's tag first: ``full``, ``window``, ``chunked``,
@@ -132,11 +139,6 @@ class FullAttentionSpec(PagedKV):
         ('full', 256)
         """
         return ("full", self.block_size)
-
-    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Full attention never releases KV while a request runs."""
-        del num_computed_tokens
-        return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,11 +343,6 @@ class RingBufferSpec(PagedKV):
 
     def packing_key(self) -> tuple[object, ...]:
         return ("ring", self.block_size)
-
-    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """The ring is rewritten in place; nothing is released early."""
-        del num_computed_tokens
-        return 0
 
 
 @dataclass(frozen=True, slots=True)
