@@ -10,26 +10,23 @@ The result depends only on the inputs: no wall clock enters it except the timing
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Protocol, overload
+from typing import Protocol
 
 from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
 from hybridkv.errors import HybridKVError, InvariantViolation, PoolTooSmallError
-from hybridkv.hashing import BlockHasher
-from hybridkv.ids import BlockHash
+from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
 from hybridkv.sim.bound import AdmissionLog, BoundShape
 from hybridkv.sim.bound_share import set_bounds, shared_bounds
 from hybridkv.sim.misses import MissCauses, ObservedManager
-from hybridkv.sim.scheduler import SchedRequest, Scheduler
-from hybridkv.sim.trace import (
+from hybridkv.sim.timed import ModelClock, TimedRun, TimeSettings, arrival_times, drive, summarise
+from hybridkv.traces.prompts import LazyPrompt, PromptHasher
+from hybridkv.traces.trace import (
     OUTPUT_TOKEN_BASE,
     Trace,
     TraceRequest,
-    common_prefix_length,
-    expand_prompt,
-    prompt_slice,
 )
 
 ProgressFn = Callable[[int, int], None]
@@ -62,6 +59,9 @@ class ReplaySettings:
     """Admission order (``sim.admission.ORDERS``); ``fcfs`` is the protocol."""
     observers: tuple[ReplayObserver, ...] = ()
     """Called around every replay (``hybridkv replay --events / --metrics``)."""
+    timing: TimeSettings | None = None
+    """``--clock time``: open-loop arrivals, steps timed by the cost model (``None``: the
+    step clock, the protocol)."""
 
     def __reduce__(self) -> tuple[type[ReplaySettings], tuple[object, ...]]:
         """Pickle through the constructor (sweep cells travel to ``--jobs`` / Ray workers):
@@ -127,6 +127,12 @@ class RunResult:
     bound_hit_tokens: int | None = None
     """Hit tokens of ``bound`` for this run's admissions (``attach_bounds``)."""
     bound_fa_hit_tokens: int | None = None
+    time: dict[str, float] | None = None
+    """``--clock time``: ``sim.timed.summarise`` of the run (``None`` on the step clock)."""
+    request_times: list[dict[str, object]] | None = None
+    """``--clock time``: per request (trace order) arrival, TTFT, TPOT, e2e, queueing."""
+    time_label: str = ""
+    """The GPU the times are for (``"... (scaled from h200)"`` when not calibrated on it)."""
 
     @property
     def hit_rate(self) -> float:
@@ -180,128 +186,6 @@ def percentile(values: Sequence[int], pct: float) -> float:
     return ordered[int(rank) - 1]
 
 
-class LazyPrompt(Sequence[int]):
-    """Prompt ids expanded on first use and dropped by the manager when the request ends."""
-
-    __slots__ = ("_index", "_request")
-
-    def __init__(self, request: TraceRequest, index: int) -> None:
-        self._request = request
-        self._index = index
-
-    def _expand(self) -> list[int]:
-        return expand_prompt(self._request, self._index)
-
-    def __len__(self) -> int:
-        return self._request.input_length
-
-    @overload
-    def __getitem__(self, idx: int) -> int: ...
-    @overload
-    def __getitem__(self, idx: slice) -> Sequence[int]: ...
-    def __getitem__(self, idx: int | slice) -> int | Sequence[int]:
-        if isinstance(idx, slice):
-            start, stop, step = idx.indices(len(self))
-            if step == 1:
-                return prompt_slice(self._request, self._index, start, stop)
-            return self._expand()[idx]
-        position = idx + len(self) if idx < 0 else idx
-        if not 0 <= position < len(self):
-            raise IndexError(idx)
-        return prompt_slice(self._request, self._index, position, position + 1)[0]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._expand())
-
-
-class _PromptHasher:
-    """Memoised block hashes of block-id traces.
-
-    Requests of a conversation resend the same trace blocks again and again (WEKA: 96 % of
-    730 M prompt tokens are repeats); a trace block's engine-block hashes depend only on the
-    hash before it and its id, so each distinct (parent hash, trace block id) pair is hashed
-    once. Tokens past the last whole trace block (the partial tail, fill) are hashed as usual.
-    The result is the chain ``hasher.hash_blocks`` would compute for the expanded prompt.
-
-    A session's next prompt usually extends its previous one: the hashes of the trace blocks
-    the two share from the start are copied from the previous prompt's (one list slice),
-    and only the rest walks the memo.
-    """
-
-    MAX_ENTRIES = 1 << 18
-    """Memo size cap (oldest entries dropped first), so memory stays flat on long traces."""
-
-    MAX_SESSION_HASHES = 1 << 21
-    """Hashes kept across the sessions' latest prompts (least recently used sessions dropped
-    first), so memory stays bounded however many sessions a trace has (WEKA's 88 sessions
-    end at ~1 M)."""
-
-    def __init__(self, hasher: BlockHasher) -> None:
-        self._hasher = hasher
-        self._memo: dict[tuple[BlockHash | None, int], list[BlockHash]] = {}
-        self._latest: dict[str, tuple[tuple[int, ...], list[BlockHash]]] = {}
-        """Session id → (whole trace block ids, their engine-block hashes) of its latest
-        prompt, least recently used first."""
-        self._num_session_hashes = 0
-        self.seconds = 0.0
-
-    def for_request(self, request: TraceRequest,
-                    ) -> Callable[[Sequence[int]], list[BlockHash] | None] | None:
-        if request.token_ids is not None or request.token_id_ranges or \
-                not request.trace_block_size or request.trace_block_size % self._hasher.block_size \
-                or self._hasher.lookahead_tokens:  # EAGLE lookahead: the manager hashes
-            return None
-
-        def hash_prompt(tokens: Sequence[int]) -> list[BlockHash] | None:
-            started = time.perf_counter()
-            try:
-                return self.hashes(request, tokens)
-            finally:
-                self.seconds += time.perf_counter() - started
-
-        return hash_prompt
-
-    def hashes(self, request: TraceRequest, tokens: Sequence[int]) -> list[BlockHash] | None:
-        size, hb = request.trace_block_size, self._hasher.block_size
-        if request.token_ids is not None or request.token_id_ranges or not size or size % hb:
-            return None
-        hashes: list[BlockHash] = []
-        parent: BlockHash | None = None
-        num_whole = min(len(request.block_ids), request.input_length // size)
-        whole_ids = request.block_ids[:num_whole]
-        session = request.session_id
-        first = 0
-        latest = None if session is None else self._latest.pop(session, None)
-        if latest is not None:
-            self._num_session_hashes -= len(latest[1])
-            first = common_prefix_length(latest[0], whole_ids)
-            if first:
-                hashes = latest[1][: first * (size // hb)]
-                parent = hashes[-1]
-        for i in range(first, num_whole):
-            key = (parent, request.block_ids[i])
-            chunk = self._memo.get(key)
-            if chunk is None:  # a whole trace block's ids are a range (see expand_prompt)
-                first = request.block_ids[i] * size
-                chunk = self._hasher.hash_blocks(range(first, first + size),
-                                                 parent=parent, first_block_idx=i * size // hb)
-                if len(self._memo) >= self.MAX_ENTRIES:
-                    del self._memo[next(iter(self._memo))]
-                self._memo[key] = chunk
-            hashes.extend(chunk)
-            parent = chunk[-1]
-        if session is not None:
-            self._latest[session] = (whole_ids, hashes.copy())
-            self._num_session_hashes += len(hashes)
-            while self._num_session_hashes > self.MAX_SESSION_HASHES:
-                oldest = next(iter(self._latest))
-                self._num_session_hashes -= len(self._latest.pop(oldest)[1])
-        done = num_whole * size
-        hashes.extend(self._hasher.hash_blocks(tokens[done:], parent=parent,
-                                               first_block_idx=done // hb))
-        return hashes
-
-
 class OutputSampler:
     """Deterministic "sampling": predetermined outputs, else unique ids counted up from
     ``first_id``.
@@ -310,7 +194,7 @@ class OutputSampler:
     instance registers the requests routed to it (``add``) and drops them when they finish
     (``forget``), drawing from its own id range so two instances never collide.
 
-    >>> from hybridkv.sim.trace import TraceRequest
+    >>> from hybridkv.traces.trace import TraceRequest
     >>> sampler = OutputSampler(first_id=100)
     >>> sampler.add(TraceRequest("a", 4, 2, output_token_ids=(7, 8)))
     >>> a = SchedRequest("a", (1, 2, 3, 4), 2)
@@ -366,46 +250,88 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
     for observer in observers:
         observer.attach(manager, scheduler, policy if settings.admission == "fcfs"
                         else f"{policy} [{settings.admission}]")
-    sched_requests: list[SchedRequest] = []
-    prompt_hasher = _PromptHasher(manager.hasher)
-    for index, request in enumerate(trace.requests):
-        # A trace may say 0 output tokens; an engine always samples at least one.
-        sched_request = SchedRequest(
-            request.request_id, LazyPrompt(request, index), max(1, request.output_length),
-            session_id=request.session_id, phase=request.phase, tag=request.tag,
-            hash_prompt=prompt_hasher.for_request(request) if config.enable_caching else None)
-        sched_requests.append(sched_request)
-        scheduler.add_request(sched_request)
+    prompt_hasher = PromptHasher(manager.hasher)
+    timing = settings.timing
+    sched_requests = _sched_requests(trace, config, prompt_hasher)
+    if timing is None:  # the step clock: everything queued at once (closed loop)
+        for sched_request in sched_requests:
+            scheduler.add_request(sched_request)
     sampler = OutputSampler(trace)
-    num_finished = 0
+    finished_count = [0]
     num_requests = len(sched_requests)
-    while scheduler.has_unfinished:
-        plan = scheduler.schedule()
+
+    def sample(plan: StepPlan) -> dict[str, int]:
         if not plan.chunks:
             raise no_progress_error(trace, policy, config, manager, scheduler, plan.preempted)
-        sampled = {
-            chunk.req_id: sampler.sample(scheduler.requests[chunk.req_id])
-            for chunk in plan.chunks if chunk.samples
-        }
-        finished = scheduler.update(plan, sampled)
+        return {chunk.req_id: sampler.sample(scheduler.requests[chunk.req_id])
+                for chunk in plan.chunks if chunk.samples}
+
+    def after_step(plan: StepPlan, finished: Sequence[str]) -> None:
         for req_id in finished:  # the replay never reads outputs back: keep memory flat
             scheduler.requests[req_id].output_token_ids = []
-        num_finished += len(finished)
+        finished_count[0] += len(finished)
         if settings.check_invariants:
             manager.check_invariants()
         if progress is not None:
-            progress(num_finished, num_requests)
+            progress(finished_count[0], num_requests)
         for observer in observers:
             observer.on_step(manager, scheduler)
+
+    timed = _run(trace, config, scheduler, sched_requests, timing, sample, after_step)
     result = _collect(policy, config, manager, scheduler, sched_requests, started)
     result.hash_seconds += prompt_hasher.seconds
     result.scheduler_seconds = scheduler.seconds
     result.misses = manager.misses
     result.misses_by_tag = manager.misses_by_tag
     result.log = manager.log
+    if timed is not None and timing is not None:
+        _attach_times(result, timed, timing, config)
     for observer in observers:
         observer.detach(manager, scheduler, result.misses.as_dict())
     return result
+
+
+def _sched_requests(trace: Trace, config: CacheConfig, prompt_hasher: PromptHasher,
+                    ) -> list[SchedRequest]:
+    """The trace's requests as the scheduler sees them (prompts expanded lazily). A trace
+    may say 0 output tokens; an engine always samples at least one."""
+    return [SchedRequest(
+        request.request_id, LazyPrompt(request, index), max(1, request.output_length),
+        session_id=request.session_id, phase=request.phase, tag=request.tag,
+        hash_prompt=prompt_hasher.for_request(request) if config.enable_caching else None)
+        for index, request in enumerate(trace.requests)]
+
+
+def _run(trace: Trace, config: CacheConfig, scheduler: Scheduler,
+         sched_requests: Sequence[SchedRequest], timing: TimeSettings | None,
+         sample: Callable[[StepPlan], dict[str, int]],
+         after_step: Callable[[StepPlan, Sequence[str]], None]) -> TimedRun | None:
+    """Drive the scheduler to the end: the step clock (requests already queued), or
+    ``--clock time`` (``sim.timed.drive``: open-loop arrivals, steps timed by the cost
+    model; returns the timed run)."""
+    if timing is None:
+        while scheduler.has_unfinished:
+            plan = scheduler.schedule()
+            after_step(plan, scheduler.update(plan, sample(plan)))
+        return None
+    cost = timing.cost_model(config)
+    arrivals = arrival_times([r.arrival_seconds for r in trace.requests],
+                             time_scale=timing.time_scale, rate=timing.rate, seed=timing.seed)
+    return drive(scheduler, list(zip(arrivals, sched_requests, strict=True)), sample,
+                 ModelClock(), step_seconds=lambda plan: cost.seconds(plan.chunks),
+                 on_step=after_step)
+
+
+def _attach_times(result: RunResult, timed: TimedRun, timing: TimeSettings,
+                  config: CacheConfig) -> None:
+    """The run's time summary and per-request times (``--clock time``)."""
+    result.time = summarise(timed, timing.slo)
+    result.request_times = [
+        {"id": rid, "arrival_s": round(t.arrival_s, 6), "ttft_s": round(t.ttft_s, 6),
+         "tpot_s": round(t.tpot_s, 6), "e2e_s": round(t.e2e_s, 6),
+         "queue_s": round(t.queue_s, 6), "hit_tokens": t.hit_tokens}
+        for rid, t in timed.requests.items()]
+    result.time_label = timing.label(config)
 
 
 def no_progress_error(trace: Trace, policy: str, config: CacheConfig, manager: KVCacheManager,
