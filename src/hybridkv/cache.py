@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hybridkv import probes
 from hybridkv.block import Block
 from hybridkv.branch import BlockCopy
 from hybridkv.config import CacheConfig
@@ -50,133 +51,18 @@ from hybridkv.policies import (
     split_policy_name,
 )
 from hybridkv.pool import BlockPool
+from hybridkv.results import Allocation, PrefillPlan, PrefixHit
 from hybridkv.specs import FullAttentionSpec
 from hybridkv.stats import PrefixCacheStats
 from hybridkv.tokens import RequestTokens
-from hybridkv.views import BlockView, CachedBlock, CacheSnapshot, GroupUsage
+from hybridkv.views import CachedBlock, CacheSnapshot, GroupUsage
 
 if TYPE_CHECKING:
     from hybridkv.events.log import EventLog
     from hybridkv.events.schema import KVEvent
 
-
-@dataclass(frozen=True, slots=True)
-class PrefixHit:
-    """Result of ``find_longest_hit``; valid until the next mutating call.
-
-    Attributes:
-        num_tokens: hit length (a multiple of the alignment, ``<= prompt - 1``).
-        blocks: per group, the hit table as frozen ``BlockView`` values (null blocks where
-            KV is not needed); ``block_ids`` the same as ids. The pool's own ``Block``
-            objects stay inside the manager.
-        junction_tokens: when > 0, full attention matched this far although the hit is
-            shorter (a shared prefix whose window tail is not retained).
-    """
-
-    req_id: ReqId
-    num_tokens: int
-    _tables: tuple[tuple[Block, ...], ...] = field(repr=False, compare=False)
-    junction_tokens: int
-    epoch: int
-    full_attention_tokens: int = 0
-    """Window-recompute plan: full-attention KV is cached up to here (``>= num_tokens``);
-    tokens ``[num_tokens, full_attention_tokens)`` are recomputed as a bridge that reads,
-    and never writes, that cached full-attention KV. Equal to ``num_tokens`` otherwise."""
-    is_window_missing: bool = False
-    """The bridge starts cold: window KV before ``num_tokens`` does not exist, so window
-    layers attend only to positions ``>= num_tokens`` while bridging."""
-
-    @property
-    def num_bridge_tokens(self) -> int:
-        return max(0, self.full_attention_tokens - self.num_tokens)
-
-    @property
-    def blocks(self) -> tuple[tuple[BlockView, ...], ...]:
-        return tuple(tuple(BlockView.of(b) for b in table) for table in self._tables)
-
-    @property
-    def block_ids(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(b.block_id for b in table) for table in self._tables)
-
-    @property
-    def ends_on_free_block(self) -> bool:
-        """Some group's hit table ends on a cached block no running request holds (the
-        next allocations may evict it; a chain is freed and evicted tail first). Reads the
-        last block of each table only, without building views."""
-        return any(table and not table[-1].is_null and table[-1].ref_count == 0
-                   for table in self._tables)
-
-
-class Allocation:
-    """What one ``allocate_slots`` call granted (immutable: the fields are read-only).
-
-    ``num_computed_tokens`` tokens (hit included) precede the ``num_new_tokens`` new ones;
-    ``new_block_ids`` lists, per group, the blocks appended to the table by this call.
-
-    A plain class with read-only properties rather than a frozen dataclass: it is built on
-    every ``allocate_slots`` call, and a frozen dataclass's ``__init__`` (interpreted
-    ``object.__setattr__`` calls) cost ~0.8 µs per call on the compiled core vs ~0.05 µs.
-    Equality and ``repr`` are the dataclass's (the three counts; blocks left out).
-
-    >>> a = Allocation(16, 8, 16, ((),))
-    >>> a, a == Allocation(16, 8, 16, ()), a.new_block_ids
-    (Allocation(num_computed_tokens=16, num_new_tokens=8, num_hit_tokens=16), True, ((),))
-    """
-
-    __slots__ = ("_new_blocks", "_num_computed_tokens", "_num_hit_tokens", "_num_new_tokens")
-
-    def __init__(self, num_computed_tokens: int, num_new_tokens: int, num_hit_tokens: int,
-                 _new_blocks: tuple[Sequence[Block], ...]) -> None:
-        self._num_computed_tokens = num_computed_tokens
-        self._num_new_tokens = num_new_tokens
-        self._num_hit_tokens = num_hit_tokens
-        self._new_blocks = _new_blocks
-
-    @property
-    def num_computed_tokens(self) -> int:
-        return self._num_computed_tokens
-
-    @property
-    def num_new_tokens(self) -> int:
-        return self._num_new_tokens
-
-    @property
-    def num_hit_tokens(self) -> int:
-        return self._num_hit_tokens
-
-    @property
-    def new_block_ids(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(b.block_id for b in blocks) for blocks in self._new_blocks)
-
-    def _key(self) -> tuple[int, int, int]:
-        return self._num_computed_tokens, self._num_new_tokens, self._num_hit_tokens
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Allocation):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __repr__(self) -> str:
-        return (f"Allocation(num_computed_tokens={self._num_computed_tokens}, "
-                f"num_new_tokens={self._num_new_tokens}, "
-                f"num_hit_tokens={self._num_hit_tokens})")
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillPlan:
-    """The admission plan of a running request.
-
-    ``full_attention_cached_tokens``: full-attention KV below this position was a cache hit;
-    an engine must read it and never overwrite it (0 when there was no bridge).
-    ``window_floor_tokens``: when > 0, window KV before this position does not exist (a
-    cold bridge): window layers attend only to positions at or after it.
-    """
-
-    full_attention_cached_tokens: int
-    window_floor_tokens: int
+__all__ = ["Allocation", "KVCacheManager", "PrefillPlan", "PrefixHit"]
+"""The result types live in ``results.py``; importable from here as before."""
 
 
 @dataclass(slots=True)
@@ -690,6 +576,7 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    # ------------------------------------------------ admission growth probes
     @property
     def lookup_version(self) -> tuple[int, int]:
         """(pool epoch, hashes ever indexed). Equal epochs ⇒ an earlier ``PrefixHit`` is
@@ -697,9 +584,7 @@ class KVCacheManager:
         parts ⇒ no new hash entered it (caching), so no hit grew. Both equal ⇒
         ``find_longest_hit`` answers every request as before. A scheduler probing many
         waiting requests keeps their answers while it holds (``sim/admission.py``)."""
-        pool = self.pool
-        indexed = sum(len(pool.group_index(g.group_id)) for g in self.config.groups)
-        return pool.epoch, indexed + sum(pool.num_evicted_blocks)
+        return probes.lookup_version(self.pool, len(self.config.groups))
 
     def may_extend(self, req_id: ReqId, num_tokens: int, matched_tokens: int = 0) -> bool:
         """False ⇒ no hit longer than ``num_tokens`` exists for the request now, given that
@@ -708,99 +593,47 @@ class KVCacheManager:
         ``max(num_tokens, matched_tokens)`` (full attention bounds every hybrid hit), and no
         other group holds a block of the request's chain in ``(num_tokens,
         matched_tokens]`` (a window tail there could make a hit). True otherwise, and for a
-        model without full attention. Does not modify; dictionary probes only (the
-        admission orders of ``sim/admission.py`` use it to decide which waiting requests to
-        look up again after new blocks were cached)."""
+        model without full attention. Does not modify; dictionary probes only
+        (``probes.py``)."""
         state = self._state(req_id, "may_extend")
         if not self.config.enable_caching:
             return False
-        hashes = state.block_hashes
-        hb = self.hasher.block_size
-        pool = self.pool
-        matched = max(num_tokens, matched_tokens)
-        has_full = False
-        for manager in self.coordinator.managers:
-            if not manager.is_full_attention:
-                continue
-            has_full = True
-            position = (matched // manager.block_size + 1) * manager.block_size // hb - 1
-            if position < len(hashes) and hashes[position] in pool.group_index(
-                    manager.group_id):
-                return True
-        if not has_full:
-            return True
-        for manager in self.coordinator.managers:
-            if manager.is_full_attention or matched <= num_tokens:
-                continue
-            index = pool.group_index(manager.group_id)
-            step = manager.block_size // hb
-            first = (num_tokens // manager.block_size + 1) * step - 1
-            last = min(matched // hb, len(hashes))
-            if any(hashes[j] in index for j in range(first, last, step)):
-                return True
-        return False
+        return probes.may_extend(self.pool, self.coordinator.managers, state.block_hashes,
+                                 self.hasher.block_size, num_tokens, matched_tokens)
 
     def growth_probes(self, req_id: ReqId, num_tokens: int, matched_tokens: int = 0,
-                      ) -> tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...] | None:
+                      ) -> probes.Probes | None:
         """``may_extend``'s dictionary probes, precomputed: ``may_extend(req_id,
         num_tokens, matched_tokens)`` is, at any later time while the request waits,
         ``any(h in index for index, h in probes)`` (the indexes are the pool's live ones).
-        ``None``: always true (no full attention). Lets a caller that asks the same
-        question many times skip the method call."""
-        parts = self.growth_probe_parts(req_id, num_tokens, matched_tokens)
-        if parts is None:
-            return None
-        full, window = parts
-        return (*full, *((index, h) for index, hashes in window for h in hashes))
+        ``None``: always true (no full attention)."""
+        return probes.flatten(self.growth_probe_parts(req_id, num_tokens, matched_tokens))
 
     def growth_probe_parts(self, req_id: ReqId, num_tokens: int, matched_tokens: int = 0,
-                           ) -> tuple[tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...],
-                                      tuple[tuple[Mapping[BlockHash, Block],
-                                                  tuple[BlockHash, ...]], ...]] | None:
+                           ) -> tuple[probes.Probes, probes.WindowProbes] | None:
         """``growth_probes`` split, the long part as slices: the full-attention (index,
         hash) pairs, and per other group its index with the hashes probed inside the
         match (one C-level slice of the chain each, instead of a pair per block: a
         100k-token match whose window tail is gone has ~1,500 of them at 64-token
-        blocks). Flattened, the same probes in the same order; ``None`` as there.
-
-        >>> from hybridkv import CacheConfig, FullAttentionSpec, SlidingWindowSpec
-        >>> m = KVCacheManager(CacheConfig.from_layers(
-        ...     (FullAttentionSpec(4, 1), SlidingWindowSpec(2, 1, 2)), 64), "latest")
-        >>> m.add_request("r", list(range(20)))
-        >>> full, window = m.growth_probe_parts("r", 4, 12)
-        >>> len(full), [len(hashes) for _, hashes in window]  # blocks ending at 6, 8, 10, 12
-        (1, [4])
-        >>> [h for _, h in m.growth_probes("r", 4, 12)] == [
-        ...     *(h for _, h in full), *(h for _, hs in window for h in hs)]
-        True
-        """
+        blocks). Flattened, the same probes in the same order; ``None`` as there."""
         state = self._state(req_id, "growth_probe_parts")
         if not self.config.enable_caching:
             return (), ()
-        hashes = state.block_hashes
-        hb = self.hasher.block_size
-        pool = self.pool
-        matched = max(num_tokens, matched_tokens)
-        full: list[tuple[Mapping[BlockHash, Block], BlockHash]] = []
-        full_managers = [m for m in self.coordinator.managers if m.is_full_attention]
-        if not full_managers:
-            return None
-        for manager in full_managers:
-            position = (matched // manager.block_size + 1) * manager.block_size // hb - 1
-            if position < len(hashes):
-                full.append((pool.group_index(manager.group_id), hashes[position]))
-        window: list[tuple[Mapping[BlockHash, Block], tuple[BlockHash, ...]]] = []
-        if matched > num_tokens:
-            for manager in self.coordinator.managers:
-                if manager.is_full_attention:
-                    continue
-                step = manager.block_size // hb
-                first = (num_tokens // manager.block_size + 1) * step - 1
-                last = min(matched // hb, len(hashes))
-                if first < last:
-                    window.append((pool.group_index(manager.group_id),
-                                   tuple(hashes[first:last:step])))
-        return tuple(full), tuple(window)
+        return probes.growth_probe_parts(self.pool, self.coordinator.managers,
+                                         state.block_hashes, self.hasher.block_size,
+                                         num_tokens, matched_tokens)
+
+    def hashes_indexed_since(self, marks: Sequence[int] | None,
+                             ) -> tuple[list[int], tuple[list[BlockHash], list[BlockHash]]
+                                        | None]:
+        """The hashes that entered the full-attention groups' indexes and those that
+        entered the other groups' indexes since ``marks`` (this method's earlier answer;
+        ``None``: none yet), and the marks for next time. ``None`` for the hashes: not
+        known (a first call, or an index that shrank other than by eviction:
+        ``reset_prefix_cache``, ``evict_prefix``): the caller checks every probe itself.
+        Hashes indexed and evicted since are absent; a few indexed earlier may be listed.
+        Does not modify (an admission order marks the waiting requests these concern)."""
+        return probes.hashes_indexed_since(self.pool, self.coordinator.managers, marks)
 
     @property
     def usage(self) -> float:

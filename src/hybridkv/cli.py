@@ -26,6 +26,7 @@ from hybridkv.argtypes import non_empty_str, non_negative_float, positive_int
 from hybridkv.cluster.command import add_cluster_arguments, cmd_cluster
 from hybridkv.cluster.report import CLUSTER_HELP
 from hybridkv.errors import ConfigError, HybridKVError
+from hybridkv.native import core_line
 from hybridkv.policies import CORE_POLICIES
 from hybridkv.sim.admission import ORDERS
 from hybridkv.sim.commands import (
@@ -42,6 +43,13 @@ EXIT_INTERRUPTED = 130
 """128 + SIGINT, what shells report for a Ctrl-C."""
 EXIT_TERMINATED = 143
 """128 + SIGTERM."""
+
+
+DETAIL_HELP = ("also print the tables of the other columns (miss causes, tokens, waiting, "
+               "time); --json keeps every field")
+PIPED_WIDTH = 120
+"""Columns of a report written to a pipe or file, unless ``COLUMNS`` says otherwise (the
+default tables fit 80)."""
 
 
 class Terminated(BaseException):
@@ -131,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--paranoid", action="store_true",
                         help="check every invariant after every step (slow)")
     replay.add_argument("--quiet", action="store_true", help="no progress bar")
+    replay.add_argument("--detail", action="store_true", help=DETAIL_HELP)
     replay.add_argument("--jobs", type=positive_int, default=1,
                         help="replay policies in this many processes (default 1)")
     _add_observer_arguments(replay)
@@ -162,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the cells as Ray tasks: a local Ray, or the cluster at "
                        "ADDRESS (needs pip install 'hybridkv[ray]')")
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
+    sweep.add_argument("--detail", action="store_true", help=DETAIL_HELP)
 
     check = sub.add_parser("check-trace", help="validate a trace and print its statistics")
     check.add_argument("path", type=non_empty_str)
@@ -173,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cluster_arguments(cluster, _add_source_arguments,
                           lambda p: _add_pool_arguments(p, many=False), _path)
+    cluster.add_argument("--detail", action="store_true", help=DETAIL_HELP)
 
     _add_verify_parser(sub)
     return parser
@@ -231,6 +242,15 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _report_console() -> Console:
+    """Standard output's console: a terminal's width; for a pipe or a file ``COLUMNS``
+    when set, else ``PIPED_WIDTH``."""
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS", "").isdigit():
+        console = Console(width=PIPED_WIDTH)
+    return console
+
+
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
@@ -248,15 +268,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _sigterm_raises():
             args = parser.parse_args(argv)
             name = f"hybridkv {args.command}"
-            console = Console()
-            if not console.is_terminal:  # pipes and files: wide enough that tables never wrap
-                console = Console(width=160)
+            console = _report_console()
             err_console = Console(stderr=True)
             commands: dict[str, Callable[[argparse.Namespace, Console, Console], int]] = {
                 "replay": cmd_replay, "sweep": cmd_sweep, "check-trace": cmd_check_trace,
                 "verify": _cmd_verify, "cluster": cmd_cluster,
             }
-            return commands[args.command](args, console, err_console)
+            status = commands[args.command](args, console, err_console)
+            if status == 0:  # the report's last line: which core ran (a speed figure's "on what")
+                console.print(core_line(), highlight=False, markup=False)
+            return status
     except HybridKVError as err:
         print(f"{name}: error: {_one_line(str(err))}", file=sys.stderr)
         return EXIT_BAD_INPUT

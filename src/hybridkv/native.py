@@ -82,6 +82,8 @@ COMPILED_MODULES: tuple[str, ...] = (
     "hybridkv.siblings",
     "hybridkv.coordinator",
     "hybridkv.cache",
+    "hybridkv.results",
+    "hybridkv.probes",
     "hybridkv.managers.base",
     "hybridkv.managers.full",
     "hybridkv.managers.window",
@@ -223,6 +225,25 @@ def select() -> Selection:
                 selection.notice_marker.touch()
     SELECTED = selection
     return selection
+
+
+def core_line(selection: Selection | None = None) -> str:
+    """The one line every command's report ends with: which core ran, and why.
+
+    >>> core_line(Selection("compiled", "mypyc build 9679ab01799c64044e8410ec"))
+    'core: compiled (mypyc build 9679ab01799c64044e8410ec)'
+    >>> core_line(Selection("pure", "mypyc failed: hybridkv/x.py:1: error: …"))
+    'core: pure Python (mypyc failed; python -m hybridkv.native_build --status)'
+    """
+    chosen = SELECTED if selection is None else selection
+    if chosen is None:
+        return "core: not selected yet"
+    if chosen.mode == "compiled":
+        return f"core: compiled ({chosen.reason})"
+    why = chosen.reason.split(": ", 1)[0].split(" (", 1)[0]
+    if why != chosen.reason:
+        why += "; python -m hybridkv.native_build --status"
+    return f"core: pure Python ({why})"
 
 
 def is_compiled(module: ModuleType) -> bool:

@@ -5,6 +5,7 @@ sources, stored under ``<native root>/<fingerprint of the snapshot>/``.
 
     python -m hybridkv.native_build            # build for the sources of this checkout
     python -m hybridkv.native_build --status   # which core an import selects now, and why
+    python -m hybridkv.native_build --check    # mypy --strict as the build sees the code
 
 The sources are copied first and the copy is both fingerprinted and compiled, so a file
 edited during the (~1–2 min) compile gives a build for the old fingerprint, which the
@@ -52,11 +53,33 @@ os.chdir(src)
 from mypyc.build import mypycify
 from setuptools import setup
 extensions = mypycify(
-    ["--ignore-missing-imports", *[m.replace(".", "/") + ".py" for m in modules]],
+    ["--config-file", os.path.join(tmp, "mypy-build.ini"),
+     *[m.replace(".", "/") + ".py" for m in modules]],
     opt_level="3", group_name=group, target_dir=os.path.join(tmp, "c"), strip_asserts=False)
 setup(name="hybridkv-native", ext_modules=extensions, script_args=[
     "-q", "build_ext", "--build-lib", lib, "--build-temp", os.path.join(tmp, "o"), "-j", jobs])
 """
+
+
+BUILD_MYPY_CONFIG = """\
+[mypy]
+ignore_missing_imports = True
+
+[mypy-hybridkv.*]
+follow_imports = silent
+"""
+"""mypy's options for the mypyc build, passed explicitly (never a config found by walking up
+from the snapshot, which differs between a clone, an sdist and a wheel build). The compiled
+modules are the sources, so their own errors stop the build; every other module of the
+package is followed *silently*: mypyc needs its types, not its lint. An optional package
+that the isolated build environment lacks (msgspec, pyzmq, rich …) is then ``Any`` in the
+modules that use it, which does not change one compiled instruction — so a module outside
+the compiled set can never again fail the build for a missing extra (issue 24). Strictness
+is the job of ``--check`` (CI), not of a user's install."""
+
+STRICT_CHECK_ARGS = ("--strict", "--no-site-packages")
+"""``--check`` = the build's view made strict: site-packages hidden, as in pip's isolated
+build environment, where none of the optional extras is installed."""
 
 
 def c_compiler() -> str | None:
@@ -102,6 +125,8 @@ def build(package_dir: Path, root: Path, python: str = sys.executable) -> str:
         if build_is_complete(final):
             return f"up to date: {final}"
         staged = work / "out"
+        (work / "tmp").mkdir()
+        (work / "tmp" / "mypy-build.ini").write_text(BUILD_MYPY_CONFIG)
         started = time.perf_counter()
         compiled = subprocess.run(
             [python, "-c", _COMPILE, str(work / "src"), str(staged / "lib"), str(work / "tmp"),
@@ -120,16 +145,46 @@ def build(package_dir: Path, root: Path, python: str = sys.executable) -> str:
     return f"built: {final}"
 
 
+def check(package_dir: Path = PACKAGE_DIR, python: str = sys.executable) -> tuple[bool, str]:
+    """Type-check the compiled modules as the build sees them, made strict (CI's guard).
+
+    Returns (passed, mypy's output). Catches, before any user's install does, a compiled
+    module whose own code needs an optional package's types (it is ``Any`` in the build).
+    """
+    files = [module.removeprefix("hybridkv.").replace(".", "/") + ".py"
+             for module in COMPILED_MODULES]
+    root = native_root(package_dir)
+    with tempfile.TemporaryDirectory(prefix="hybridkv-check-") as work_name:
+        config = Path(work_name) / "mypy-build.ini"
+        config.write_text(BUILD_MYPY_CONFIG)
+        cache = Path(work_name) / "cache" if root is None else root / "mypy-check-cache"
+        result = subprocess.run(
+            [python, "-m", "mypy", "--config-file", str(config), *STRICT_CHECK_ARGS,
+             "--cache-dir", str(cache), *[f"{package_dir.name}/{name}" for name in files]],
+            cwd=package_dir.parent, capture_output=True, text=True, check=False)
+    return result.returncode == 0, (result.stdout + result.stderr).strip()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hybridkv.native_build [--status]``."""
+    """``python -m hybridkv.native_build [--status | --require-compiled | --check]``.
+
+    ``--status`` prints which core an import selects and why (exit 0); ``--require-compiled``
+    prints the same and exits 1 unless it is the compiled core (CI); ``--check`` type-checks
+    the compiled modules the way the isolated build sees them, strictly (exit 1 on errors).
+    """
     args = list(sys.argv[1:] if argv is None else argv)
-    if args == ["--status"]:
+    if args in (["--status"], ["--require-compiled"]):
         selection = decide()
         print(f"{selection.mode}: {selection.reason}")
-        return 0
+        return 1 if args == ["--require-compiled"] and selection.mode != "compiled" else 0
+    if args == ["--check"]:
+        passed, output = check()
+        print(output)
+        return 0 if passed else 1
     if args:
         print(f"hybridkv.native_build: unknown arguments {' '.join(args)!r}; "
-              "use no argument (build) or --status", file=sys.stderr)
+              "use no argument (build), --status, --require-compiled or --check",
+              file=sys.stderr)
         return 2
     root = native_root(PACKAGE_DIR)
     if root is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from hybridkv.block import (
@@ -139,6 +140,29 @@ class BlockPool:
         return len(self._index[group_id]) + sum(
             len(v) for v in self._duplicates[group_id].values()
         )
+
+    def index_mark(self, group_id: GroupId) -> int:
+        """Hashes indexed in the group so far, counted so that it grows by exactly one per
+        hash indexed: hashes indexed now plus those evicted (``drop_cached`` lowers it, as
+        the dropped hashes leave without an eviction). Two marks ``m0 <= m1`` of the group
+        ⇒ the hashes indexed between them that are still indexed are among
+        ``newest_hashes(group_id, m1 - m0)``.
+
+        >>> pool = BlockPool(4, 1)
+        >>> a, b = pool.allocate(2)
+        >>> pool.cache_block(a, BlockHash(b"x"), GroupId(0))
+        >>> mark = pool.index_mark(GroupId(0))
+        >>> pool.cache_block(b, BlockHash(b"y"), GroupId(0))
+        >>> pool.index_mark(GroupId(0)) - mark, pool.newest_hashes(GroupId(0), 1)
+        (1, [b'y'])
+        """
+        return len(self._index[group_id]) + self.num_evicted_blocks[group_id]
+
+    def newest_hashes(self, group_id: GroupId, count: int) -> list[BlockHash]:
+        """The ``count`` hashes indexed in the group most recently that are still indexed,
+        newest first (fewer when fewer are indexed). The index is a dict, which keeps
+        insertion order: the last ``count`` keys, read backwards."""
+        return list(islice(reversed(self._index[group_id]), count))
 
     # ---------------------------------------------------------------- mutations
     def allocate(self, num_blocks: int) -> list[Block]:

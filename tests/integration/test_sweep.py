@@ -79,7 +79,8 @@ def test_grid_table_csv_json_and_plot(inputs: Path, tmp_path: Path,
     out = tmp_path / "out"
     out.mkdir()
     code, stdout, stderr = run(sweep_argv(inputs, "--csv", str(out / "s.csv"), "--json",
-                                          str(out / "s.json"), "--plot", str(out / "s.png")),
+                                          str(out / "s.json"), "--plot", str(out / "s.png"),
+                                          "--detail"),
                                capsys)
     assert code == 0, stderr
     rows = read_csv(out / "s.csv")

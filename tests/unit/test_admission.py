@@ -215,7 +215,7 @@ def test_cli_crosses_admission_orders_with_policies(tmp_path: Path,
     argv = ["replay", "--workload", "agentic", "--set", "num_sessions=3", "--set",
             "num_turns=3", "--set", "first_prompt_tokens=200", "--set", "turn_tokens=50",
             "--model", "gemma3-bench", "--num-blocks", "400", "--policy", "latest,prepend",
-            "--admission", "fcfs,hit", "--json", str(out), "--quiet"]
+            "--detail", "--admission", "fcfs,hit", "--json", str(out), "--quiet"]
     assert main(argv) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [(r["policy"], r["admission"]) for r in runs] == [

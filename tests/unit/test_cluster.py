@@ -39,7 +39,7 @@ def _settings(n: int = 3, **kwargs: object) -> ClusterSettings:
 
 def _numbers(run: object) -> dict[str, object]:
     data = run.to_json()  # type: ignore[attr-defined]
-    return {k: v for k, v in data.items() if k != "seconds"}
+    return {k: v for k, v in data.items() if k != "wall_seconds"}
 
 
 def test_dispatcher_serialises_sessions_and_caps_concurrency() -> None:

@@ -21,7 +21,7 @@ import pytest
 import hybridkv
 import hybridkv.pool
 from hybridkv import native
-from hybridkv.native_build import build
+from hybridkv.native_build import build, check
 
 PACKAGE_DIR = Path(hybridkv.__file__).resolve().parent
 SUFFIX = str(sysconfig.get_config_var("EXT_SUFFIX"))
@@ -209,3 +209,19 @@ def test_the_last_build_did_not_fail_on_the_source() -> None:
     reason = status.read_text().strip()
     assert not reason.startswith("mypyc failed"), (
         f"the last compiled-core build failed on the source: {reason}")
+
+
+def test_check_sees_the_compiled_set_as_the_isolated_build_does(tmp_path: Path) -> None:
+    """``native_build --check`` (CI's guard) hides site-packages as pip's isolated build
+    environment does: a compiled module returning a value typed by an optional extra
+    (msgspec here, ``Any`` there) fails it, though plain ``mypy`` with msgspec passes."""
+    passed, output = check(PACKAGE_DIR)
+    assert passed, output
+    package = _copy_sources(tmp_path)
+    pool = package / "pool.py"
+    pool.write_text(pool.read_text() + (
+        "\n\ndef planted(value: int) -> bytes:\n"
+        "    import msgspec\n\n    return msgspec.json.encode(value)\n"))
+    passed, output = check(package)
+    assert not passed
+    assert "pool.py" in output and "[no-any-return]" in output, output

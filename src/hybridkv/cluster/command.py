@@ -176,7 +176,7 @@ def cmd_cluster(args: argparse.Namespace, console: Console, err_console: Console
         "concurrency": settings.max_in_flight, "admission": settings.instance.admission,
         "hash_algo": args.hash_algo, "eagle": args.eagle, "load_weight": args.load_weight,
     })
-    render_cluster_table(report, console)
+    render_cluster_table(report, console, detail=args.detail)
     with StagedOutputs() as staged:
         if json_path is not None:
             staged.stage("--json", json_path, report.write_json)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from hybridkv.cluster.simulate import ClusterRun
+from hybridkv.sim.table_layout import percent, report_table
 
 CLUSTER_HELP = """\
 Columns: hit = cluster prefix-hit rate (first-admission hit tokens / prompt tokens, all
@@ -41,34 +41,47 @@ class ClusterReport:
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
-def _pct(value: float) -> str:
-    return f"{100 * value:.2f}%"
-
-
-def render_cluster_table(report: ClusterReport, console: Console) -> None:
-    """One row per router; the best cluster hit rate is starred."""
+def render_cluster_table(report: ClusterReport, console: Console, *,
+                         detail: bool = False) -> None:
+    """The default table, one row per router (the best cluster hit rate starred): hit
+    rate, the instances' lowest and highest hit rate, load imbalance, preemptions, time;
+    ``detail`` adds every instance's hit rate, the backlogs, steps and phantom hits."""
     n = int(str(report.settings.get("instances", 0)) or 0)
-    table = Table(title=f"{report.trace} on {report.model}, {n} instances, policy "
-                  f"{report.policy}")
-    for name, justify in (("router", "left"), ("hit", "right"), ("per-instance", "left"),
-                          ("imbalance", "right"), ("backlog", "right"),
-                          ("max backlog", "right"),
-                          ("preempt", "right"), ("steps", "right"), ("phantom", "right"),
-                          ("wall s", "right")):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    table = report_table(f"{report.trace} on {report.model}, {n} instances, policy "
+                         f"{report.policy}", ["router", "hit rate", "instances",
+                                              "imbalance", "preempt", "wall s"],
+                         labels={"router"})
     best = max((run.hit_rate for run in report.runs), default=0.0)
     for run in report.runs:
-        star = "*" if run.hit_rate == best and len(report.runs) > 1 else ""
-        table.add_row(run.router + star, _pct(run.hit_rate),
-                      " ".join(f"{100 * r.hit_rate:.1f}" for r in run.instances),
-                      f"{run.load_imbalance:.2f}", f"{run.mean_backlog_tokens:,.0f}",
-                      f"{run.mean_max_backlog_tokens:,.0f}",
-                      f"{run.preemptions:,}", f"{run.steps:,}",
-                      f"{run.phantom_hit_tokens:,}", f"{run.seconds:.1f}")
+        star = " *" if run.hit_rate == best and len(report.runs) > 1 else ""
+        rates = [100 * r.hit_rate for r in run.instances]
+        spread = f"{min(rates):.1f}–{max(rates):.1f}%" if rates else "n/a"
+        table.add_row(run.router + star, percent(run.hit_rate), spread,
+                      f"{run.load_imbalance:.2f}", f"{run.preemptions:,}",
+                      f"{run.seconds:.1f}")
     console.print(table)
     settings = report.settings
     console.print(f"pool {settings.get('num_blocks', '?'):,} blocks per instance; "
-                  f"{settings.get('workload', report.trace)}; * = best cluster hit rate")
+                  f"{settings.get('workload', report.trace)}", soft_wrap=True)
+    console.print("* = best cluster hit rate; instances: the lowest and highest instance "
+                  "hit rate; imbalance: max / mean backlog over time"
+                  + ("" if detail else "; more columns: --detail, --json")
+                  + " (hybridkv cluster --help)", style="dim", soft_wrap=True)
+    if detail:
+        _render_detail(report, console)
+
+
+def _render_detail(report: ClusterReport, console: Console) -> None:
+    table = report_table("backlogs (tokens), steps, phantom hits (tokens); per-instance "
+                         "hit rates (%)", ["router", "backlog", "max backlog", "steps",
+                                           "phantom", "per-instance"],
+                         labels={"router", "per-instance"})
+    for run in report.runs:
+        table.add_row(run.router, f"{run.mean_backlog_tokens:,.0f}",
+                      f"{run.mean_max_backlog_tokens:,.0f}", f"{run.steps:,}",
+                      f"{run.phantom_hit_tokens:,}",
+                      " ".join(f"{100 * r.hit_rate:.1f}" for r in run.instances))
+    console.print(table)
 
 
 def plot_cluster(report: ClusterReport, path: Path, *, format: str = "png") -> None:

@@ -240,6 +240,7 @@ class ClusterRun:
             "peak_backlog_tokens": self.backlog_peak, "steps": self.steps,
             "predicted_hit_tokens": self.predicted_hit_tokens,
             "phantom_hit_tokens": self.phantom_hit_tokens,
+            "wall_seconds": round(self.seconds, 4),
             "instances": [{
                 "instance": r.instance, "requests": r.requests,
                 "prompt_tokens": r.prompt_tokens, "hit_tokens": r.hit_tokens,

@@ -121,7 +121,8 @@ _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 def encode_batch(batch: KVEventBatch) -> bytes:
     """The msgpack payload vLLM's publisher sends for ``batch``."""
-    return _ENCODER.encode(batch)
+    payload: bytes = _ENCODER.encode(batch)  # typed local: see ``decode_batch``
+    return payload
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
@@ -130,7 +131,7 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     Raises:
         msgspec.DecodeError / msgspec.ValidationError: not a valid batch.
     """
-    # Through a typed local: the build environment of ``pip install -e`` (where mypyc
-    # type-checks this module) has no msgspec, so the decoder's result is ``Any`` there.
+    # Through a typed local: without msgspec installed (pip's isolated build environment,
+    # ``python -m hybridkv.native_build --check``) the decoder's result is ``Any``.
     batch: KVEventBatch = _DECODER.decode(payload)
     return batch

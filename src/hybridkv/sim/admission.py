@@ -57,7 +57,12 @@ _Growth = tuple[_Probes, _WindowProbes, int]
 
 
 class Probe(Protocol):
-    """What an order may ask the cache about a candidate (the scheduler provides it)."""
+    """What an order may ask the cache about a candidate (the scheduler provides it).
+
+    ``hit`` and ``version`` are required. A probe may also offer the growth checks
+    (``growth_probe_parts`` and ``new_hashes``, as the scheduler does from the manager's
+    public methods): without them an order looks a cached candidate up again whenever
+    anything was cached since its probe."""
 
     def hit(self, request: SchedRequest) -> PrefixHit:
         """The candidate's usable hit now (``KVCacheManager.find_longest_hit``)."""
@@ -65,10 +70,15 @@ class Probe(Protocol):
     def may_extend(self, request: SchedRequest, num_tokens: int, matched_tokens: int) -> bool:
         """``KVCacheManager.may_extend``: False ⇒ no hit longer than ``num_tokens``."""
 
-    def growth_probes(self, request: SchedRequest, num_tokens: int, matched_tokens: int,
-                      ) -> tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...] | None:
-        """``KVCacheManager.growth_probes``: ``may_extend``'s dictionary probes, to repeat
-        later without a call (``None``: always true)."""
+    def growth_probe_parts(self, request: SchedRequest, num_tokens: int, matched_tokens: int,
+                           ) -> tuple[_Probes, _WindowProbes] | None:
+        """``KVCacheManager.growth_probe_parts``: ``may_extend``'s dictionary probes, to
+        repeat later without a call (``None``: always true). Optional."""
+
+    def new_hashes(self, marks: Sequence[int] | None,
+                   ) -> tuple[list[int], tuple[list[BlockHash], list[BlockHash]] | None]:
+        """``KVCacheManager.hashes_indexed_since``: the hashes indexed since ``marks``
+        (full attention's, the other groups'), and the marks now. Optional."""
 
     @property
     def version(self) -> tuple[int, int]:
@@ -253,8 +263,8 @@ class RankedOrder(AdmissionOrder):
             self._with_hit.add(req_id)
         else:
             self._with_hit.discard(req_id)
-        growth_probes = getattr(probe, "growth_probes", None)
-        if growth_probes is not None:
+        parts = getattr(probe, "growth_probe_parts", None)  # optional: see ``Probe``
+        if parts is not None:
             matched = _matched_tokens(hit)
             key = (hit.num_tokens, matched)
             if self._growth_key.get(req_id) == key:
@@ -264,7 +274,8 @@ class RankedOrder(AdmissionOrder):
                 # asks whether anything was indexed since this probe)
                 return hit
             self._growth_key[req_id] = key
-            growth = self._growth_parts(request, probe, hit.num_tokens, matched)
+            split = parts(request, hit.num_tokens, matched)
+            growth: _Growth | None = None if split is None else (split[0], split[1], matched)
             self._unwatch(req_id)
             self._growth[req_id] = growth
             if growth is None:
@@ -285,25 +296,6 @@ class RankedOrder(AdmissionOrder):
                     if window:
                         self._watch_window(req_id, window)
         return hit
-
-    def _growth_parts(self, request: SchedRequest, probe: Probe, num_tokens: int,
-                      matched: int) -> _Growth | None:
-        """``may_extend``'s probes for a hit of ``num_tokens`` matched to ``matched``:
-        the full-attention (index, hash) pairs, the other groups' (index, hashes inside
-        the match), and ``matched`` (``None``: always true)."""
-        parts = getattr(probe, "growth_probe_parts", None)
-        if parts is not None:
-            split = parts(request, num_tokens, matched)
-            return None if split is None else (split[0], split[1], matched)
-        probes = probe.growth_probes(request, num_tokens, matched)
-        if probes is None:
-            return None
-        # full attention's probes come first: those of a lookup at the match
-        full = probes if matched <= num_tokens else \
-            probe.growth_probes(request, matched, matched) or ()
-        return (probes[:len(full)],
-                tuple((index, (block_hash,)) for index, block_hash in probes[len(full):]),
-                matched)
 
     def _watch_window(self, req_id: str, window: _WindowProbes) -> None:
         """Register ``req_id`` as a watcher of its window probes: C-level dictionary
@@ -368,7 +360,7 @@ class RankedOrder(AdmissionOrder):
         is marked: no hash indexed meanwhile is missed."""
         if not self._watching:
             return False
-        new_hashes = getattr(probe, "new_hashes", None)
+        new_hashes = getattr(probe, "new_hashes", None)  # optional: see ``Probe``
         if new_hashes is None:
             self._watching = False
             self._watchers.clear()

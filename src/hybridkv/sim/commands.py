@@ -660,7 +660,7 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
             "eagle": args.eagle,
         }, _max_rate([run.result.bound for run in runs]),
             _max_rate([run.result.bound_fa for run in runs]))
-        render_table(report, console)
+        render_table(report, console, detail=args.detail)
         with StagedOutputs() as staged:
             if json_path is not None:
                 staged.stage("--json", json_path, report.write_json)

@@ -9,16 +9,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.table import Table
 
 from hybridkv.sim.limits import format_bytes
 from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.replay import RunResult, TagTotals
+from hybridkv.sim.table_layout import CAUSE_LABELS, largest_miss, percent, report_table
 
 if TYPE_CHECKING:  # sweep imports the commands, which import this module
     from hybridkv.sim.sweep import Cell
 
 REPORT_HELP = """\
+The default table: policy, hit rate, bound, largest miss (the miss cause below with the
+largest share), wall s; ceiling in its title. --detail adds the miss-cause shares, tokens,
+bound_fa, waiting and time; --json has every field.
 Columns: hit rate = prompt tokens served from the cache at first admission.
 bound = hybrid-aware offline optimum: Belady MIN over full-attention hit units with, at each
 admission, the capacity left after the blocks then held that are not full-attention prompt
@@ -120,47 +123,64 @@ def _run_json(result: RunResult) -> dict[str, object]:
     }
 
 
-def _rate(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.2f}%"
-
-
-_CAUSE_LABELS = {"cold": "cold", "evicted": "evicted", "tail": "tail", "alignment": "align",
-                 "admission": "admit"}
-
-
-def render_table(report: Report, console: Console) -> None:
-    """Print the policy comparison table (best hit rate marked), with the miss causes."""
-    table = Table(title=f"{report.trace} on {report.model}", title_justify="left")
-    for name in ("policy", "admission", "hit rate", "bound", "bound_fa", "ceiling",
-                 *(_CAUSE_LABELS[c] for c in MISS_CAUSES), "hit tokens", "prompt tokens",
-                 "preemptions", "wait p50/p99/max steps", "manager s", "sched s", "wall s"):
-        table.add_column(name, justify="left" if name in ("policy", "admission") else "right",
-                         no_wrap=name == "policy")
+def render_table(report: Report, console: Console, *, detail: bool = False) -> None:
+    """Print the default policy table (what a user decides on: hit rate, ``bound``, the
+    largest miss cause, time; ``ceiling`` in the title, the best hit rate starred) and,
+    with ``detail``, the tables of the rest (miss causes, tokens, waiting and time)."""
+    show_admission = any(run.result.admission != "fcfs" for run in report.runs)
+    table = report_table(
+        f"{report.trace} on {report.model} · ceiling {percent(report.ceiling)}",
+        ["policy", *(["admission"] if show_admission else []), "hit rate", "bound",
+         "largest miss", "wall s"], labels={"policy", "admission"})
     best = max((r.result.hit_rate for r in report.runs), default=0.0)
     for run in report.runs:
         r = run.result
-        mark = " *" if report.runs and r.hit_rate == best and len(report.runs) > 1 else ""
-        shares = r.misses.shares()
-        table.add_row(f"{r.policy}{mark}", r.admission, f"{100 * r.hit_rate:.2f}%",
-                      _rate(r.bound), _rate(r.bound_fa), f"{100 * report.ceiling:.2f}%",
-                      *(f"{100 * shares[c]:.1f}%" for c in MISS_CAUSES),
-                      f"{r.hit_tokens:,}", f"{r.prompt_tokens:,}", str(r.preemptions),
-                      f"{r.wait_p50_steps:,.0f} / {r.wait_p99_steps:,.0f} / "
-                      f"{r.wait_max_steps:,}",
-                      f"{r.manager_seconds:.2f}", f"{r.scheduler_seconds:.2f}",
+        mark = " *" if r.hit_rate == best and len(report.runs) > 1 else ""
+        table.add_row(f"{r.policy}{mark}", *([r.admission] if show_admission else []),
+                      percent(r.hit_rate), percent(r.bound), largest_miss(r.misses.shares()),
                       f"{r.wall_seconds:.2f}")
     console.print(table)
     pool = pool_line(report.settings)
     if pool:
-        console.print(pool)
-    console.print(f"bound {_rate(report.bound)} (hybrid-aware), bound_fa "
-                  f"{_rate(report.bound_fa)} (full-attention blocks only): offline optima "
-                  "for each run's admission order; cold … admit: shares of the missed "
-                  "tokens (hybridkv replay --help). * = best policy. wait: steps from "
-                  "eligibility to first admission (the replay has no time model); sched s: "
-                  "manager + scheduler time.", style="dim")
+        console.print(pool, soft_wrap=True)
+    console.print(f"* = best hit rate; bound: offline optimum for each run's admission "
+                  f"order (the largest: {percent(report.bound)}); ceiling: infinite cache; "
+                  "largest miss: the miss cause of most missed tokens"
+                  + ("" if detail else "; more columns: --detail, --json")
+                  + " (hybridkv replay --help)", style="dim", soft_wrap=True)
+    if detail:
+        _render_detail(report, console)
     if any(run.fractions for run in report.runs):
         _render_fractions(report, console)
+
+
+def _render_detail(report: Report, console: Console) -> None:
+    """The ``--detail`` tables: miss-cause shares; tokens, ``bound_fa`` and preemptions;
+    waiting (steps from eligibility to admission) and time."""
+    causes = report_table("miss causes (shares of the missed prompt tokens)",
+                          ["policy", *(CAUSE_LABELS[c] for c in MISS_CAUSES)],
+                          labels={"policy"})
+    tokens = report_table("tokens", ["policy", "hit tokens", "prompt tokens", "bridge",
+                                     "bound_fa", "preempt"], labels={"policy"})
+    times = report_table("waiting (steps) and time (s)",
+                         ["policy", "wait p50", "p99", "max", "steps", "manager s",
+                          "sched s", "wall s"], labels={"policy"})
+    for run in report.runs:
+        r = run.result
+        label = _label(r)
+        shares = r.misses.shares()
+        causes.add_row(label, *(f"{100 * shares[c]:.1f}%" for c in MISS_CAUSES))
+        tokens.add_row(label, f"{r.hit_tokens:,}", f"{r.prompt_tokens:,}",
+                       f"{r.bridge_tokens:,}", percent(r.bound_fa), f"{r.preemptions:,}")
+        times.add_row(label, f"{r.wait_p50_steps:,.0f}", f"{r.wait_p99_steps:,.0f}",
+                      f"{r.wait_max_steps:,}", f"{r.steps:,}", f"{r.manager_seconds:.2f}",
+                      f"{r.scheduler_seconds:.2f}", f"{r.wall_seconds:.2f}")
+    for table in (causes, tokens, times):
+        console.print(table)
+    console.print(f"bound_fa: the offline optimum over full-attention blocks only (the "
+                  f"largest: {percent(report.bound_fa)}); wait: steps from eligibility to "
+                  "first admission (the replay has no time model); sched s: manager + "
+                  "scheduler time.", style="dim", soft_wrap=True)
 
 
 def pool_line(settings: Mapping[str, object]) -> str:
@@ -181,14 +201,16 @@ def pool_line(settings: Mapping[str, object]) -> str:
 
 def render_sweep_cells(cells: Sequence[Cell], rows: Mapping[str, Mapping[str, object]],
                        errors: Mapping[str, str], resumed: Collection[str],
-                       console: Console) -> None:
-    """A sweep's cells, one table per (trace, model): pool, policy, admission order, hit
-    rate, ``bound``, ``bound_fa``, ``ceiling``, miss-cause shares; ``*`` marks the best
-    hit rate of a pool size, ``r`` a cell resumed from ``--results``, a failed cell says
-    so."""
+                       console: Console, *, detail: bool = False) -> None:
+    """A sweep's cells, one table per (trace, model) with its ``ceiling`` in the title:
+    pool, policy, admission order (when not all ``fcfs``), hit rate, ``bound``, the
+    largest miss cause and time; ``*`` marks the best hit rate of a pool size, ``r`` a
+    cell resumed from ``--results``, a failed cell says so. ``detail`` adds a table per
+    (trace, model) of the miss-cause shares, ``bound_fa``, tokens and preemptions."""
     panels = list(dict.fromkeys((c.source, c.model) for c in cells))
-    show_admission = any(c.admission != "fcfs" for c in cells)
-    show_memory = any(c.kv_memory for c in cells)
+    show = _SweepColumns(admission=any(c.admission != "fcfs" for c in cells),
+                         memory=any(c.kv_memory for c in cells),
+                         resumed=any(c.key in resumed for c in cells))
     best: dict[tuple[str, str, int], float] = {}
     for c in cells:
         if c.key in rows:
@@ -196,38 +218,89 @@ def render_sweep_cells(cells: Sequence[Cell], rows: Mapping[str, Mapping[str, ob
             slot = (c.source, c.model, c.num_blocks)
             best[slot] = max(best.get(slot, rate), rate)
     for source, model in panels:
-        table = Table(title=f"{source} on {model}", title_justify="left")
-        columns = ["pool (blocks)", *(["kv memory"] if show_memory else []), "policy",
-                   *(["admission"] if show_admission else []), "hit rate", "bound",
-                   "bound_fa", "ceiling", *(_CAUSE_LABELS[c] for c in MISS_CAUSES),
-                   "preempt", "wall s", ""]
-        for name in columns:
-            table.add_column(name, justify="left" if name in ("policy", "admission", "")
-                             else "right", no_wrap=name == "policy")
-        for c in (c for c in cells if (c.source, c.model) == (source, model)):
-            lead = [f"{c.num_blocks:,}", *([c.kv_memory or ""] if show_memory else []),
-                    c.policy, *([c.admission] if show_admission else [])]
+        panel = [c for c in cells if (c.source, c.model) == (source, model)]
+        ceilings = sorted({float(str(rows[c.key]["ceiling"])) for c in panel if c.key in rows})
+        ceiling = ("n/a" if not ceilings else percent(ceilings[0]) if len(ceilings) == 1
+                   else f"{percent(ceilings[0])}–{percent(ceilings[-1])}")
+        table = report_table(f"{source} on {model} · ceiling {ceiling}",
+                             [*show.lead(), "hit rate", "bound", "largest miss", "wall s",
+                              *([""] if show.resumed else [])],
+                             labels={"policy", "admission", ""})
+        for c in panel:
             row = rows.get(c.key)
             if row is None:
-                reason = errors.get(c.key, "not run")
-                table.add_row(*lead, "failed" if c.key in errors else reason,
-                              *[""] * (len(columns) - len(lead) - 1))
+                table.add_row(*show.lead_cells(c),
+                              "failed" if c.key in errors else errors.get(c.key, "not run"),
+                              "", "", "", *([""] if show.resumed else []))
                 continue
             rate = float(str(row["hit_rate"]))
-            missed = {cause: int(str(row[f"miss_{cause}"])) for cause in MISS_CAUSES}
-            total = sum(missed.values())
             mark = " *" if rate == best[(c.source, c.model, c.num_blocks)] else ""
-            table.add_row(*lead, f"{100 * rate:.2f}%{mark}", _rate(_float(row["bound"])),
-                          _rate(_float(row["bound_fa"])),
-                          f"{100 * float(str(row['ceiling'])):.2f}%",
-                          *(f"{100 * missed[cause] / total:.1f}%" if total else "0.0%"
-                            for cause in MISS_CAUSES),
-                          str(row["preemptions"]), f"{float(str(row['wall_seconds'])):.1f}",
-                          "r" if c.key in resumed else "")
+            table.add_row(*show.lead_cells(c), f"{percent(rate)}{mark}",
+                          percent(_float(row["bound"])), largest_miss(_shares(row)),
+                          f"{float(str(row['wall_seconds'])):.1f}",
+                          *(["r" if c.key in resumed else ""] if show.resumed else []))
         console.print(table)
-    console.print("* = best hit rate of its pool size; r = resumed from --results; bound, "
-                  "bound_fa: offline optima of each run's admissions; cold … admit: shares "
-                  "of the missed tokens (hybridkv replay --help)", style="dim")
+        if detail:
+            _render_sweep_detail(panel, rows, show, console)
+    console.print("* = best hit rate of its pool size; r = resumed from --results; bound: "
+                  "offline optimum of each run's admissions; largest miss: the miss cause of "
+                  "most missed tokens"
+                  + ("" if detail else "; more columns: --detail, --csv, --json")
+                  + " (hybridkv replay --help)", style="dim", soft_wrap=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _SweepColumns:
+    """Which optional columns a sweep's tables show."""
+
+    admission: bool
+    memory: bool
+    resumed: bool
+
+    def lead(self) -> list[str]:
+        return ["blocks", *(["memory"] if self.memory else []), "policy",
+                *(["admission"] if self.admission else [])]
+
+    def lead_cells(self, cell: Cell) -> list[str]:
+        return [f"{cell.num_blocks:,}", *([cell.kv_memory or ""] if self.memory else []),
+                cell.policy, *([cell.admission] if self.admission else [])]
+
+
+def _shares(row: Mapping[str, object]) -> dict[str, float]:
+    """A sweep row's miss-cause shares of the missed tokens (all 0 when none missed).
+
+    >>> _shares({"miss_cold": 1, "miss_evicted": 3, "miss_tail": 0, "miss_alignment": 0,
+    ...          "miss_admission": 0})["evicted"]
+    0.75
+    """
+    missed = {cause: int(str(row[f"miss_{cause}"])) for cause in MISS_CAUSES}
+    total = sum(missed.values())
+    return {cause: tokens / total if total else 0.0 for cause, tokens in missed.items()}
+
+
+def _render_sweep_detail(panel: Sequence[Cell], rows: Mapping[str, Mapping[str, object]],
+                         show: _SweepColumns, console: Console) -> None:
+    """Two tables: the miss-cause shares; ``bound_fa``, tokens and preemptions."""
+    lead = ["blocks", "policy", *(["admission"] if show.admission else [])]
+    causes = report_table("miss causes (shares of the missed tokens)",
+                          [*lead, *(CAUSE_LABELS[c] for c in MISS_CAUSES)],
+                          labels={"policy", "admission"})
+    tokens = report_table("bound_fa, tokens, preemptions",
+                          [*lead, "bound_fa", "hit tokens", "prompt tokens", "preempt"],
+                          labels={"policy", "admission"})
+    for c in panel:
+        row = rows.get(c.key)
+        if row is None:
+            continue
+        cells = [f"{c.num_blocks:,}", c.policy, *([c.admission] if show.admission else [])]
+        shares = _shares(row)
+        causes.add_row(*cells, *(f"{100 * shares[k]:.1f}%" for k in MISS_CAUSES))
+        tokens.add_row(*cells, percent(_float(row["bound_fa"])),
+                       f"{int(str(row['hit_tokens'])):,}",
+                       f"{int(str(row['prompt_tokens'])):,}",
+                       f"{int(str(row['preemptions'])):,}")
+    console.print(causes)
+    console.print(tokens)
 
 
 def _float(value: object) -> float | None:
@@ -236,10 +309,8 @@ def _float(value: object) -> float | None:
 
 def _render_fractions(report: Report, console: Console) -> None:
     fractions = list(report.runs[0].fractions)
-    table = Table(title="replay-phase hit rate per prompt fraction", title_justify="left")
-    table.add_column("policy")
-    for fraction in fractions:
-        table.add_column(fraction, justify="right")
+    table = report_table("replay-phase hit rate (%) per prompt fraction",
+                         ["policy", *fractions], labels={"policy"})
     for run in report.runs:
         cells = [f"{100 * _tag(run.fractions[f], 'replay').hit_rate:.1f}"
                  for f in fractions]

@@ -30,7 +30,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Protocol
 
 from hybridkv.block import Block
@@ -276,15 +275,6 @@ class Scheduler:
     def may_extend(self, request: SchedRequest, num_tokens: int, matched_tokens: int) -> bool:
         return self.manager.may_extend(request.req_id, num_tokens, matched_tokens)
 
-    def growth_probes(self, request: SchedRequest, num_tokens: int, matched_tokens: int,
-                      ) -> tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...] | None:
-        probes = getattr(self.manager, "growth_probes", None)
-        if probes is None:  # a manager without them (an adapter): always look again
-            return None
-        result: tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...] | None = probes(
-            request.req_id, num_tokens, matched_tokens)
-        return result
-
     def growth_probe_parts(self, request: SchedRequest, num_tokens: int, matched_tokens: int,
                            ) -> tuple[tuple[tuple[Mapping[BlockHash, Block], BlockHash], ...],
                                       tuple[tuple[Mapping[BlockHash, Block],
@@ -305,33 +295,14 @@ class Scheduler:
 
     def new_hashes(self, marks: Sequence[int] | None,
                    ) -> tuple[list[int], tuple[list[BlockHash], list[BlockHash]] | None]:
-        """The hashes that entered the full-attention groups' indexes and those that
-        entered the other groups' indexes since ``marks`` (this method's earlier answer;
-        ``None``: none yet), and the marks for next time. ``None`` for the hashes: not
-        known (a first call, a manager without a pool, or an index that shrank other than
-        by eviction, ``reset_prefix_cache``): the caller checks every probe itself.
-
-        A group's index is a dict and a dict iterates in insertion order, so the hashes
-        indexed since a mark are among the last ``(len + evicted) - mark`` keys (hashes
-        evicted since are simply absent)."""
-        pool = getattr(self.manager, "pool", None)
-        coordinator = getattr(self.manager, "coordinator", None)
-        if pool is None or coordinator is None:
+        """``KVCacheManager.hashes_indexed_since`` (a manager without it: no marks, hashes
+        not known; the caller checks every probe itself)."""
+        since = getattr(self.manager, "hashes_indexed_since", None)
+        if since is None:
             return [], None
-        evicted = pool.num_evicted_blocks
-        groups = [(m.group_id, m.is_full_attention) for m in coordinator.managers]
-        indexes = [pool.group_index(g) for g, _ in groups]
-        now = [len(index) + evicted[g] for index, (g, _) in zip(indexes, groups, strict=True)]
-        if marks is None or len(marks) != len(now):
-            return now, None
-        full: list[BlockHash] = []
-        window: list[BlockHash] = []
-        for index, (_, is_full), count, mark in zip(indexes, groups, now, marks, strict=True):
-            if count < mark or not isinstance(index, dict):
-                return now, None
-            if count > mark:
-                (full if is_full else window).extend(islice(reversed(index), count - mark))
-        return now, (full, window)
+        result: tuple[list[int], tuple[list[BlockHash], list[BlockHash]] | None] = \
+            since(marks)
+        return result
 
     def _admit_next(self, budget: int) -> ScheduledChunk | None:
         hit: PrefixHit | None = None

@@ -256,7 +256,8 @@ def _recorder(state: SweepState, store: ResultStore | None,
 
 def _report(args: argparse.Namespace, console: Console, cells: Sequence[Cell],
             state: SweepState, outputs: Outputs, store: ResultStore | None) -> int:
-    render_sweep_cells(cells, state.rows, state.errors, state.resumed, console)
+    render_sweep_cells(cells, state.rows, state.errors, state.resumed, console,
+                       detail=args.detail)
     rows = [_labelled(state.rows[c.key], c) for c in cells if c.key in state.rows]
     written = [str(p) for p in (outputs.csv, outputs.json, outputs.plot) if p is not None]
     if rows and written:

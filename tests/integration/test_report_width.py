@@ -1,0 +1,155 @@
+"""The default reports of ``replay``, ``sweep`` and ``cluster`` are readable at 80 and 120
+columns and piped: no cell cut (``…``), no row wrapped, every number whole.
+
+Each report is rendered by the CLI (``main``) at ``COLUMNS=80``, ``COLUMNS=120`` and with
+no ``COLUMNS`` (standard output is pytest's capture, not a terminal: the piped case). The
+check reads each table back: its title, its header, a rule, then exactly one line per row
+that starts with the row's label and holds the row's numbers as the ``--json`` document
+has them (so a wrapped row, a cut number or a squeezed column all fail), no line wider
+than the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridkv.cli import PIPED_WIDTH, main
+
+WIDTHS = (80, 120, None)
+"""Terminal widths tested; ``None`` = piped (no ``COLUMNS``: ``PIPED_WIDTH``)."""
+SMALL_AGENTIC = ["--set", "num_sessions=3", "--set", "num_turns=3", "--set",
+                 "first_prompt_tokens=2048", "--set", "turn_tokens=512"]
+"""The default workload (agentic), small: the table's layout depends on its labels and
+the digits of its numbers, not on the workload's size."""
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Mooncake trace shaped like the README's: 16 requests in 4 conversations of
+    growing 20k-token prompts sharing 512-token blocks."""
+    path = tmp_path_factory.mktemp("width") / "synthetic_trace.jsonl"
+    lines = []
+    for i in range(16):
+        session, turn = i % 4, i // 4
+        blocks = [1000 * session + b for b in range(36 + 4 * turn)]
+        lines.append(json.dumps({"timestamp": i, "input_length": 512 * len(blocks) - 100,
+                                 "output_length": 4, "hash_ids": blocks}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def render(argv: list[str], width: int | None, monkeypatch: pytest.MonkeyPatch,
+           capsys: pytest.CaptureFixture[str]) -> str:
+    if width is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", str(width))
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return captured.out
+
+
+def table_rows(text: str, title: str, count: int, width: int) -> list[str]:
+    """The ``count`` row lines of the table titled ``title`` (checked: one header line, a
+    rule, no line wider than ``width``, no ``…`` anywhere in the report)."""
+    assert "…" not in text, text
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(title)]
+    assert starts, f"no table titled {title!r} in:\n{text}"
+    start = starts[0]
+    header, rule = lines[start + 1], lines[start + 2]
+    assert set(rule.strip()) == {"─"}, f"header wraps (no rule under it):\n{text}"
+    rows = lines[start + 3:start + 3 + count]
+    for line in (lines[start], header, rule, *rows):
+        assert len(line.rstrip()) <= width, f"{len(line.rstrip())} > {width}: {line}"
+    return rows
+
+
+def assert_row(line: str, label: str, values: list[str]) -> None:
+    """One table line holds the whole row: it starts with its label, and every value
+    appears whole in it, in order."""
+    assert line.startswith(label), f"row wrapped or mislabelled: {line!r}, wanted {label!r}"
+    rest = line[len(label):]
+    for value in values:
+        assert f" {value}" in rest, f"{value!r} not whole in {line!r}"
+        rest = rest[rest.index(value) + len(value):]
+
+
+def pct(rate: float | None) -> str:
+    return "n/a" if rate is None else f"{100 * rate:.2f}%"
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_default_replay_report_fits(width: int | None, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    doc_path = tmp_path / "r.json"
+    out = render(["replay", *SMALL_AGENTIC, "--quiet", "--json", str(doc_path)], width,
+                 monkeypatch, capsys)
+    doc = json.loads(doc_path.read_text())
+    assert len(doc["runs"]) == 6  # the six core policies, the default
+    rows = table_rows(out, f"{doc['trace']} on {doc['model']}", len(doc["runs"]),
+                      width or PIPED_WIDTH)
+    assert f"ceiling {pct(doc['ceiling'])}" in out
+    for line, run in zip(rows, doc["runs"], strict=True):
+        assert_row(line, run["policy"], [pct(run["hit_rate"]), pct(run["bound"]),
+                                         f"{run['wall_seconds']:.2f}"])
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_readme_shaped_sweep_report_fits(width: int | None, trace: Path, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's sweep: two models × three memory sizes × the core policies."""
+    doc_path = tmp_path / "s.json"
+    out = render(["sweep", "--trace", str(trace), "--model",
+                  "dsv4-bench,gemma3-bench", "--kv-memory", "8GiB,16GiB,32GiB", "--policy",
+                  "core", "--quiet", "--json", str(doc_path)], width, monkeypatch, capsys)
+    cells = json.loads(doc_path.read_text())["cells"]
+    assert len(cells) == 36
+    for model in ("dsv4-bench", "gemma3-bench"):
+        panel = [c for c in cells if c["model"] == model]
+        rows = table_rows(out, f"synthetic_trace on {model}", len(panel),
+                          width or PIPED_WIDTH)
+        for line, cell in zip(rows, panel, strict=True):
+            label = f"{cell['num_blocks']:,}"
+            assert_row(line.lstrip(), label, [cell["kv_memory"], cell["policy"],
+                                              pct(cell["hit_rate"]), pct(cell["bound"])])
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_default_cluster_report_fits(width: int | None, trace: Path, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    doc_path = tmp_path / "c.json"
+    out = render(["cluster", "--trace", str(trace), "--num-blocks",
+                  "20000", "--quiet", "--json", str(doc_path)], width, monkeypatch, capsys)
+    doc = json.loads(doc_path.read_text())
+    assert len(doc["runs"]) == 5  # every router, the default
+    rows = table_rows(out, "synthetic_trace on", len(doc["runs"]), width or PIPED_WIDTH)
+    for line, run in zip(rows, doc["runs"], strict=True):
+        assert_row(line, run["router"], [pct(run["hit_rate"]),
+                                         f"{run['load_imbalance']:.2f}",
+                                         f"{run['wall_seconds']:.1f}"])
+
+
+@pytest.mark.parametrize("command", ["replay", "cluster"])
+def test_detail_tables_fit_80_columns(command: str, trace: Path,
+                                      monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    argv = (["replay", *SMALL_AGENTIC] if command == "replay" else
+            ["cluster", "--trace", str(trace), "--num-blocks", "20000",
+             "--router", "round-robin,prefix-residency"])
+    out = render([*argv, "--quiet", "--detail"], 80, monkeypatch, capsys)
+    assert "…" not in out and "--detail" not in out  # the hint is left out once given
+    titles = (["miss causes", "tokens", "waiting"] if command == "replay" else ["backlogs"])
+    runs = 6 if command == "replay" else 2
+    for title in titles:
+        rows = table_rows(out, title, runs, 80)
+        assert all(line.split()[0] in ("dense", "reachable", "prepend", "latest",
+                                       "interval:32768", "pin:32768", "round-robin",
+                                       "prefix-residency") for line in rows)
