@@ -55,7 +55,7 @@ from hybridkv.results import Allocation, PrefillPlan, PrefixHit
 from hybridkv.specs import FullAttentionSpec
 from hybridkv.stats import PrefixCacheStats
 from hybridkv.tokens import RequestTokens
-from hybridkv.views import GroupTables, CachedBlock, CacheSnapshot, GroupUsage
+from hybridkv.views import CachedBlock, CacheSnapshot, GroupTables, GroupUsage
 
 if TYPE_CHECKING:
     from hybridkv.events.log import EventLog
@@ -72,6 +72,8 @@ class _RequestState:
     block_hashes: list[BlockHash]
     extra_keys: ExtraKeys | None
     session_id: str | None = None
+    external_hashes: bool = False
+    """The engine hashes this request (``add_request(external_hashes=True)``)."""
     num_computed_tokens: int = 0
     num_in_flight_tokens: int = 0
     """Of ``num_computed_tokens``, the last ones whose step has not reported back (their
@@ -199,9 +201,18 @@ class KVCacheManager:
     # ------------------------------------------------------------ requests
     def add_request(self, req_id: ReqId, prompt_token_ids: Sequence[int], *,
                     extra_keys: ExtraKeys | None = None, session_id: str | None = None,
-                    block_hashes: Sequence[BlockHash] | None = None) -> None:
+                    block_hashes: Sequence[BlockHash] | None = None,
+                    external_hashes: bool = False) -> None:
         """Track a request and hash its prompt (``session_id``: its conversation, used by
         session-aware eviction).
+
+        ``external_hashes=True``: the engine hashes the request itself (vLLM's
+        ``request.block_hashes``, so KV events and routers see the engine's hashes), and
+        ``block_hashes`` are the hashes of its first full blocks — at most one per full
+        ``hasher.block_size`` block; blocks past them are never cached until
+        ``append_token_ids(block_hashes=...)`` brings theirs. hybridkv then never hashes
+        this request. E.g. block 16, a 40-token prompt and an engine whose hashes wait for
+        one lookahead token: 2 hashes (``[0, 16)``, ``[16, 32)``); 3 would be refused.
 
         ``block_hashes`` lets a caller that hashes many prompts sharing prefixes (a trace
         replayer) pass the chain it computed with ``self.hasher`` for exactly these tokens;
@@ -217,7 +228,13 @@ class KVCacheManager:
         started = self.clock()
         hb = self.hasher.block_size
         num_full = self.hasher.num_hashable_blocks(len(prompt_token_ids))
-        if block_hashes is not None and self.config.enable_caching:
+        if external_hashes:
+            hashes = list(block_hashes or ()) if self.config.enable_caching else []
+            if len(hashes) > len(prompt_token_ids) // hb:
+                raise ConfigError("block_hashes", f"<{len(hashes)} hashes>",
+                                  f"at most one per full block: {len(prompt_token_ids) // hb}")
+            tokens = RequestTokens(list(prompt_token_ids), len(hashes) * hb)
+        elif block_hashes is not None and self.config.enable_caching:
             if len(block_hashes) != num_full:
                 raise ConfigError("block_hashes", f"<{len(block_hashes)} hashes>",
                                   f"need one per full block: {num_full}")
@@ -231,18 +248,19 @@ class KVCacheManager:
             tokens = RequestTokens(copied, num_full * hb)
         self.hash_seconds += self.clock() - started
         self._requests[req_id] = _RequestState(tokens, len(tokens), hashes, extra_keys,
-                                               session_id=session_id)
+                                               session_id=session_id,
+                                               external_hashes=external_hashes)
 
     def append_token_ids(self, req_id: ReqId, token_ids: Sequence[int], *,
                          block_hashes: Sequence[BlockHash] | None = None,
                          as_prompt: bool = False) -> None:
         """Append generated tokens; blocks they complete become hashable.
 
-        ``block_hashes``: the hashes of the blocks these tokens complete, computed by the
-        caller (an engine that hashes requests itself, e.g. vLLM's ``request.block_hashes``),
-        instead of hashing them here: exactly one per newly hashable block (checked by
-        count). ``as_prompt``: the tokens extend the prompt (a streaming session's next
-        input): every token of the request then counts as prompt.
+        ``block_hashes``: for a request added with ``external_hashes=True``, the engine's
+        hashes of the next full blocks (any number up to the blocks now full); required
+        then (hybridkv never mixes its own hashes into an engine's chain).
+        ``as_prompt``: the tokens extend the prompt (a streaming session's next input):
+        every token of the request then counts as prompt.
         """
         state = self._state(req_id, "append_token_ids")
         tokens = state.token_ids
@@ -253,11 +271,15 @@ class KVCacheManager:
             return
         hb = self.hasher.block_size
         num_hashed = len(state.block_hashes)
-        if block_hashes is not None:
-            num_full = max(0, (len(tokens) - self._lookahead) // hb)
-            if len(block_hashes) != num_full - num_hashed:
+        if state.external_hashes or block_hashes is not None:
+            if not state.external_hashes or block_hashes is None:
+                raise RequestError(f"request_id={req_id!r}: block_hashes come with "
+                                   "append_token_ids exactly when the request was added "
+                                   "with external_hashes=True")
+            if num_hashed + len(block_hashes) > len(tokens) // hb:
                 raise ConfigError("block_hashes", f"<{len(block_hashes)} hashes>",
-                                  f"need one per newly full block: {num_full - num_hashed}")
+                                  f"at most {len(tokens) // hb - num_hashed} more blocks "
+                                  "are full")
             state.block_hashes.extend(block_hashes)
             return
         if (len(tokens) - self._lookahead) // hb > num_hashed:
@@ -470,7 +492,8 @@ class KVCacheManager:
                               f"{tokens.num_tokens}]")
         tokens.truncate(num_tokens)
         state.num_prompt_tokens = min(state.num_prompt_tokens, num_tokens)
-        num_full = max(0, (num_tokens - self._lookahead) // self.hasher.block_size)
+        num_full = num_tokens // self.hasher.block_size if state.external_hashes else \
+            max(0, (num_tokens - self._lookahead) // self.hasher.block_size)
         del state.block_hashes[num_full:]
 
     def _checked_hit(self, req_id: ReqId, hit: PrefixHit, admitting: bool,

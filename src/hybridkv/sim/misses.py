@@ -152,11 +152,12 @@ class ObservedManager(KVCacheManager):
 
     def allocate_slots(self, req_id: ReqId, num_new_tokens: int, hit: PrefixHit | None = None,
                        *, num_lookahead_tokens: int = 0, reserve_full_prompt: bool = False,
-                       ) -> Allocation | None:
+                       in_flight: bool = False) -> Allocation | None:
         admitting = not self.is_running(req_id)
         allocation = super().allocate_slots(req_id, num_new_tokens, hit,
                                             num_lookahead_tokens=num_lookahead_tokens,
-                                            reserve_full_prompt=reserve_full_prompt)
+                                            reserve_full_prompt=reserve_full_prompt,
+                                            in_flight=in_flight)
         if allocation is None or not admitting:
             return allocation
         is_first = req_id not in self._admitted

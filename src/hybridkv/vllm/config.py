@@ -30,6 +30,14 @@ class UnsupportedFeature(NotImplementedError):
         super().__init__(f"hybridkv's vLLM KV-cache manager does not support {feature}")
 
 
+class UnsupportedInternal(UnsupportedFeature, AttributeError):
+    """A read of a vLLM manager internal the facade's shims do not model (an
+    ``AttributeError`` too, so ``getattr(obj, name, default)`` probes still work)."""
+
+    def __init__(self, owner: str, name: str) -> None:
+        super().__init__(f"vLLM internals ({owner}.{name})")
+
+
 def policy_from_retention_interval(interval: int | None) -> str:
     """vLLM's ``prefix_cache_retention_interval`` → the hybridkv policy that behaves the same.
 
@@ -66,8 +74,8 @@ def layer_spec_from_vllm(spec: Any) -> LayerSpec:
     if isinstance(spec, MambaSpec):
         raise UnsupportedFeature(f"Mamba / Gated DeltaNet groups ({kind}): its worker-side "
                                  "copy, zeroing and checkpoint contract is not mapped yet")
-    if type(spec) is VllmFull or kind == "MLAAttentionSpec" and \
-            int(getattr(spec, "tokens_per_state", 1)) == 1:
+    if type(spec) is VllmFull or (kind == "MLAAttentionSpec" and \
+            int(getattr(spec, "tokens_per_state", 1)) == 1):
         return FullAttentionSpec(block_size, kv_bytes)
     if type(spec) is VllmWindow:
         if int(getattr(spec, "extra_retained_tokens", 0)):

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridkv.cache import KVCacheManager
+from hybridkv.ids import BlockHash
 from hybridkv.results import PrefixHit
 from hybridkv.vllm.config import (
     UnsupportedFeature,
@@ -49,7 +50,8 @@ class HybridKVCacheManager:
     holds vLLM-visible blocks (``get_blocks`` non-empty).
     """
 
-    def __init__(self, kv_cache_config: Any, max_model_len: int, scheduler_block_size: int,
+    def __init__(self, kv_cache_config: Any,  # noqa: PLR0913, PLR0917 - vLLM's signature
+                 max_model_len: int, scheduler_block_size: int,
                  hash_block_size: int, max_in_flight_tokens: int | None = None,
                  enable_caching: bool = True, use_eagle: bool = False,
                  num_hash_lookahead_tokens: int = 0, num_prefill_lookahead: int = 0,
@@ -94,6 +96,8 @@ class HybridKVCacheManager:
         self._hits: dict[str, PrefixHit] = {}
         self._num_hashes: dict[str, int] = {}
         self._num_prompt_tokens: dict[str, int] = {}
+        self._objects: dict[str, Any] = {}
+        """The vLLM ``Request`` each known id belongs to (a new object: a new request)."""
 
     # ------------------------------------------------------------------ requests
     def _sync(self, request: Any) -> None:
@@ -101,11 +105,15 @@ class HybridKVCacheManager:
         req_id = request.request_id
         core = self.core
         hashes = request.block_hashes
+        if req_id in self._num_hashes and self._objects[req_id] is not request:
+            if core.is_running(req_id):
+                raise UnsupportedFeature(f"two live requests with one id {req_id!r}")
+            self._forget(req_id)  # a new Request reusing a waiting one's id
         if req_id not in self._num_hashes:
-            tokens = list(request.all_token_ids)
-            num_full = core.hasher.num_hashable_blocks(len(tokens))
-            core.add_request(req_id, tokens, block_hashes=hashes[:num_full])
-            self._num_hashes[req_id] = num_full
+            self._objects[req_id] = request
+            core.add_request(req_id, request.all_token_ids, block_hashes=hashes,
+                             external_hashes=True)
+            self._num_hashes[req_id] = len(hashes)
             self._num_prompt_tokens[req_id] = request.num_prompt_tokens
             return
         known = core.num_tokens(req_id)
@@ -116,20 +124,20 @@ class HybridKVCacheManager:
         if num_tokens > known:
             self._append(req_id, request.all_token_ids[known:], hashes, as_prompt=False)
 
-    def _append(self, req_id: str, token_ids: Sequence[int], hashes: Sequence[bytes],
+    def _append(self, req_id: str, token_ids: Sequence[int], hashes: Sequence[BlockHash],
                 *, as_prompt: bool) -> None:
-        core = self.core
         have = self._num_hashes[req_id]
-        total = core.hasher.num_hashable_blocks(core.num_tokens(req_id) + len(token_ids))
-        core.append_token_ids(req_id, token_ids, block_hashes=hashes[have:total],
-                              as_prompt=as_prompt)
-        self._num_hashes[req_id] = total
+        self.core.append_token_ids(req_id, token_ids, block_hashes=hashes[have:],
+                                   as_prompt=as_prompt)
+        self._num_hashes[req_id] = len(hashes)
 
     def _replace_tail(self, request: Any) -> None:
         """A streaming session's next input: vLLM dropped the last sampled token and
         appended the new prompt; keep the common head, replace the rest."""
         req_id = request.request_id
         core = self.core
+        if core.is_running(req_id):  # vLLM lowered its progress to the settled tokens
+            self._settle(request)
         ours = core.token_ids(req_id)
         theirs = request.all_token_ids
         keep = core.num_computed_tokens(req_id)
@@ -138,7 +146,7 @@ class HybridKVCacheManager:
             keep += 1
         core.truncate_tokens(req_id, keep)
         self._num_hashes[req_id] = min(self._num_hashes[req_id],
-                                       core.hasher.num_hashable_blocks(keep))
+                                       keep // core.hasher.block_size)
         self._append(req_id, theirs[keep:], request.block_hashes, as_prompt=True)
         self._num_prompt_tokens[req_id] = request.num_prompt_tokens
 
@@ -171,8 +179,8 @@ class HybridKVCacheManager:
         raise UnsupportedFeature("KV connectors (get_computed_blocks_for_connector)")
 
     # ---------------------------------------------------------------- allocation
-    def allocate_slots(self, request: Any, num_new_tokens: int,  # noqa: PLR0913 - vLLM's
-                       num_new_computed_tokens: int = 0,  # signature, kept whole
+    def allocate_slots(self, request: Any, num_new_tokens: int,  # noqa: PLR0913, PLR0917
+                       num_new_computed_tokens: int = 0,  # vLLM's signature, kept whole
                        new_computed_blocks: Any = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0,
                        delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
@@ -221,10 +229,14 @@ class HybridKVCacheManager:
             return
         self._hits.pop(req_id, None)
         if request.is_finished():
-            self.core.remove_request(req_id)
-            del self._num_hashes[req_id], self._num_prompt_tokens[req_id]
+            self._forget(req_id)
         else:
             self.core.free(req_id)
+
+    def _forget(self, req_id: str) -> None:
+        self.core.remove_request(req_id)
+        del self._num_hashes[req_id], self._num_prompt_tokens[req_id], self._objects[req_id]
+        self._hits.pop(req_id, None)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Settled tokens ``< num_computed_tokens`` become cacheable (vLLM's call after a
@@ -287,6 +299,10 @@ class HybridKVCacheManager:
                                default=0)
             cached = group_cached if cached is None else min(cached, group_cached)
         return cached or 0
+
+    def create_kv_cache_blocks(self, blocks: tuple[list[Any], ...]) -> Any:
+        """vLLM ``KVCacheBlocks`` of per-group block lists (the shared empty one if none)."""
+        return self._blocks_type(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Deprecated in vLLM 0.33 (no cascade attention): zeros, as vLLM."""

@@ -36,7 +36,8 @@ def options_from_vllm_config(vllm_config: Any) -> dict[str, Any]:
     """``additional_config["hybridkv"]`` (a dict), checked: unknown keys are refused.
 
     >>> from types import SimpleNamespace
-    >>> options_from_vllm_config(SimpleNamespace(additional_config={"hybridkv": {"policy": "latest"}}))
+    >>> config = SimpleNamespace(additional_config={"hybridkv": {"policy": "latest"}})
+    >>> options_from_vllm_config(config)
     {'policy': 'latest'}
     """
     extra = getattr(vllm_config, "additional_config", None) or {}

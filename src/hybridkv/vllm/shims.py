@@ -12,7 +12,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from hybridkv.cache import KVCacheManager
-from hybridkv.vllm.config import UnsupportedFeature
+from hybridkv.ids import GroupId
+from hybridkv.vllm.config import UnsupportedFeature, UnsupportedInternal
 
 
 class VllmBlocks:
@@ -66,7 +67,16 @@ class _FreeQueueShim:
         return self._core.pool.num_free_blocks
 
 
-class BlockPoolShim:
+class _Refusing:
+    """Any attribute not modelled: ``UnsupportedInternal`` naming it (one line)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise UnsupportedInternal(type(self).__name__.removesuffix("Shim"), name)
+
+
+class BlockPoolShim(_Refusing):
     """What is read of vLLM's ``BlockPool``: free count, size, usage, blocks."""
 
     def __init__(self, core: KVCacheManager, blocks: VllmBlocks) -> None:
@@ -96,7 +106,7 @@ class _TablesShim(Mapping[str, list[Any]]):
     """``req_to_blocks`` of one group: request id → its table as vLLM block objects."""
 
     def __init__(self, core: KVCacheManager, group_id: int, blocks: VllmBlocks) -> None:
-        self._view = core.group_tables(group_id)
+        self._view = core.group_tables(GroupId(group_id))
         self._blocks = blocks
 
     def __getitem__(self, req_id: str) -> list[Any]:
@@ -111,7 +121,7 @@ class _TablesShim(Mapping[str, list[Any]]):
 
 class _NumCachedShim(Mapping[str, int]):
     def __init__(self, core: KVCacheManager, group_id: int) -> None:
-        self._view = core.group_tables(group_id)
+        self._view = core.group_tables(GroupId(group_id))
 
     def __getitem__(self, req_id: str) -> int:
         if req_id not in self._view:
@@ -125,7 +135,7 @@ class _NumCachedShim(Mapping[str, int]):
         return len(self._view)
 
 
-class SingleTypeManagerShim:
+class SingleTypeManagerShim(_Refusing):
     """One group as vLLM's ``SingleTypeKVCacheManager`` is read: ``block_size``,
     ``kv_cache_spec``, ``kv_cache_group_id``, ``req_to_blocks``, ``num_cached_block``."""
 
@@ -144,7 +154,7 @@ class SingleTypeManagerShim:
         return []
 
 
-class CoordinatorShim:
+class CoordinatorShim(_Refusing):
     """What is read of vLLM's coordinator: the per-group managers and two flags."""
 
     enable_partial_hash_hits = False

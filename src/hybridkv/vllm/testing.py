@@ -7,12 +7,13 @@ It rebinds ``vllm.v1.core.sched.scheduler.KVCacheManager`` (the name ``Scheduler
 constructs) to ``HybridKVCacheManager`` with the policy of ``$HYBRIDKV_VLLM_POLICY``
 (default ``latest``; ``vllm`` keeps vLLM's own manager, for the baseline). Tests that
 construct vLLM's manager or block pool themselves (``test_prefix_caching.py``, ...) are
-untouched. ``SKIPPED`` lists the test functions the facade refuses, each with its reason;
-they are reported as skipped.
+untouched. ``skiplist.SKIPPED`` lists the test cases the facade refuses, each with its
+reason (plus ``POLICY_SKIPPED`` for one policy); they are reported as skipped.
 
 ``$HYBRIDKV_VLLM_REPORT=path.json``: per test case, its outcome and whether it built a
 Scheduler (a manager was constructed through the rebound name), as
-``{"nodeid": ["passed", true], ...}`` — ``bench/vllm_tests.py`` compares two such files.
+``{"nodeid": ["failed", true, "first line of the error"], ...}`` (``bench/vllm_tests.py``
+reads it).
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import json
 import os
 from typing import Any
 
-SKIPPED: dict[str, str] = {}
-"""test function (``file::function``, parameters stripped) → why the facade refuses it."""
+from hybridkv.vllm.skiplist import POLICY_SKIPPED, SKIPPED
 
 STOCK = "vllm"
 """``$HYBRIDKV_VLLM_POLICY`` value that keeps vLLM's own manager (recording only)."""
@@ -58,13 +58,28 @@ def pytest_report_header(config: Any) -> str:
     return f"hybridkv.vllm.testing: policy {os.environ.get('HYBRIDKV_VLLM_POLICY', 'latest')}"
 
 
+def skip_reason(nodeid: str, policy: str) -> str | None:
+    """Why the facade refuses this test case under ``policy`` (``None``: it must pass).
+
+    >>> skip_reason("tests/v1/core/test_scheduler.py::test_add_requests", "latest") is None
+    True
+    """
+    extra = POLICY_SKIPPED.get(policy, {})
+    for key in (nodeid, nodeid.split("[", 1)[0]):
+        reason = SKIPPED.get(key) or extra.get(key)
+        if reason is not None:
+            return reason
+    return None
+
+
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    if os.environ.get("HYBRIDKV_VLLM_POLICY") == STOCK:
+    policy = os.environ.get("HYBRIDKV_VLLM_POLICY", "latest")
+    if policy == STOCK:
         return
     import pytest
 
     for item in items:
-        reason = SKIPPED.get(item.nodeid.split("[", 1)[0])
+        reason = skip_reason(item.nodeid, policy)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=f"hybridkv refuses: {reason}"))
 
@@ -75,9 +90,13 @@ def pytest_runtest_setup(item: Any) -> None:
 
 def pytest_runtest_logreport(report: Any) -> None:
     outcomes = _state["outcomes"]
-    if report.when == "call" or report.outcome != "passed":
-        if report.nodeid not in outcomes or outcomes[report.nodeid] == "passed":
-            outcomes[report.nodeid] = report.outcome
+    if (report.when == "call" or report.outcome != "passed") and \
+            (report.nodeid not in outcomes or outcomes[report.nodeid][0] == "passed"):
+        crash = getattr(report.longrepr, "reprcrash", None)
+        message = crash.message.split("\n", 1)[0] if crash is not None else ""
+        if report.skipped and isinstance(report.longrepr, tuple):
+            message = str(report.longrepr[2])
+        outcomes[report.nodeid] = (report.outcome, message)
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
@@ -85,7 +104,7 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     if not path:
         return
     built = _state["built"]
-    rows = {nodeid: [outcome, nodeid in built]
-            for nodeid, outcome in sorted(_state["outcomes"].items())}
+    rows = {nodeid: [outcome, nodeid in built, message]
+            for nodeid, (outcome, message) in sorted(_state["outcomes"].items())}
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(rows, handle, indent=0)
