@@ -54,7 +54,6 @@ from hybridkv.specs import (
     RecurrentStateSpec,
     RingBufferSpec,
     SlidingWindowMLASpec,
-    page_bytes,
 )
 from hybridkv.specs import SlidingWindowSpec as OurSlidingWindowSpec
 
@@ -108,7 +107,7 @@ def _vllm_spec(spec: LayerSpec, padded_page_bytes: int | None = None) -> Any:
 
 def vllm_kv_cache_groups(config: CacheConfig) -> list[KVCacheGroupSpec]:
     """Our groups (order, layers, EAGLE flags) as vLLM groups with the same pages."""
-    largest_page = max(page_bytes(g.spec) for g in config.groups)
+    largest_page = max(g.spec.page_bytes for g in config.groups)
     flagged = set(config.eagle_group_ids or ()) if config.drops_eagle_block else set()
     return [
         KVCacheGroupSpec([f"model.layers.{i}.attn" for i in group.layer_ids],

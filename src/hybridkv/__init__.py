@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hybridkv.native  # noqa: F401  (first: picks the compiled or pure-Python core)
 from hybridkv.cache import Allocation, KVCacheManager, PrefixHit
-from hybridkv.config import CacheConfig, CacheGroup, plan_cache_groups
+from hybridkv.config import CacheConfig, plan_cache_groups
 from hybridkv.errors import (
     CapacityError,
     ConfigError,
@@ -21,6 +21,7 @@ from hybridkv.errors import (
 from hybridkv.hashing import BlockHasher, ExtraKeys, MultiModalFeature
 from hybridkv.policies import CORE_POLICIES, RetentionPolicy, make_retention_policy
 from hybridkv.specs import (
+    CacheGroup,
     ChunkedLocalSpec,
     FullAttentionSpec,
     LayerSpec,

@@ -35,31 +35,26 @@ from hybridkv.errors import (
     StaleHitError,
     UnknownRequestError,
 )
-from hybridkv.eviction import EvictionOptions, EvictionPolicy, parse_eviction
+from hybridkv.event_hook import EventRecorder, RequestContext
+from hybridkv.eviction import EvictionOptions, EvictionPolicy
 from hybridkv.hashing import BlockHasher, ExtraKeys
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers import coarse_hashes
-from hybridkv.managers.recurrent import (
-    CHUNK_CHECKPOINTS,
-    branch_unit_tokens,
-    parse_checkpoint_policy,
-)
 from hybridkv.policies import (
+    PolicySpec,
     PrependPolicy,
     RetentionPolicy,
-    make_retention_policy,
-    split_policy_name,
+    branch_unit_tokens,
+    policy_name,
 )
 from hybridkv.pool import BlockPool
 from hybridkv.results import Allocation, PrefillPlan, PrefixHit
-from hybridkv.specs import FullAttentionSpec
 from hybridkv.stats import PrefixCacheStats
 from hybridkv.tokens import RequestTokens
-from hybridkv.views import CachedBlock, CacheSnapshot, GroupTables, GroupUsage
+from hybridkv.views import CacheSnapshot, GroupTables, take_snapshot
 
 if TYPE_CHECKING:
-    from hybridkv.events.log import EventLog
-    from hybridkv.events.schema import KVEvent
+    from hybridkv.event_hook import KVEvent
 
 __all__ = ["Allocation", "KVCacheManager", "PrefillPlan", "PrefixHit"]
 """The result types live in ``results.py``; importable from here as before."""
@@ -90,7 +85,9 @@ class KVCacheManager:
 
     Args:
         config: the cache configuration (groups, pool size, hashing, EAGLE).
-        retention: a ``RetentionPolicy`` or its name (default ``"latest"``).
+        retention: a ``RetentionPolicy``, a ``PolicySpec`` or a policy string
+            (``PolicySpec.parse``; default ``"latest"``).
+        eviction: the eviction options when the policy names none (default ``lru``).
         enable_kv_cache_events: record KV events (vLLM 0.33's ``BlockStored`` /
             ``BlockRemoved`` / ``AllBlocksCleared``, plus per-group residency) for
             ``take_events``; needs the ``events`` extra (msgspec). Off: no cost beyond one
@@ -101,26 +98,20 @@ class KVCacheManager:
     tables cover at least its computed tokens.
     """
 
-    def __init__(self, config: CacheConfig, retention: RetentionPolicy | str = "latest",
+    def __init__(self, config: CacheConfig,
+                 retention: RetentionPolicy | PolicySpec | str = "latest",
                  eviction: EvictionOptions | None = None, *,
                  enable_kv_cache_events: bool = False) -> None:
-        self.recompute = False
-        """Window-recompute partial hits (policy modifier ``+recompute``)."""
-        self.checkpoints = CHUNK_CHECKPOINTS
-        """Where recurrent groups write checkpoints (modifier ``+ckpt:chunk|block``)."""
-        if isinstance(retention, str):
-            retention_name, modifiers = split_policy_name(retention)
-            policy = make_retention_policy(retention_name)
-            self.recompute = "recompute" in modifiers
-            modifiers = [m for m in modifiers if m != "recompute"]
-            checkpoints = [m for m in modifiers if m.startswith("ckpt:")]
-            modifiers = [m for m in modifiers if not m.startswith("ckpt:")]
-            if checkpoints:
-                self.checkpoints = parse_checkpoint_policy(checkpoints[-1])
-            if modifiers:
-                eviction = parse_eviction(modifiers)
+        spec = PolicySpec.parse(retention) if isinstance(retention, str) else retention
+        if isinstance(spec, PolicySpec):
+            policy = spec.retention_policy()
+            eviction = spec.eviction or eviction
         else:
-            policy = retention
+            policy, spec = spec, PolicySpec(spec.name)
+        self.recompute = spec.recompute
+        """Window-recompute partial hits (policy modifier ``+recompute``)."""
+        self.checkpoints = spec.checkpoints
+        """Where recurrent groups write checkpoints (modifier ``+ckpt:chunk|block|branch``)."""
         eviction = eviction or EvictionOptions()
         if not config.enable_caching:
             policy = PrependPolicy()  # nothing is hashed: every freed block is scratch
@@ -131,14 +122,9 @@ class KVCacheManager:
         self.config = config
         self.retention = policy
         self.eviction = eviction
-        self.policy_name = policy.name if eviction.name == "lru" else \
-            f"{policy.name}+{eviction.name}"
-        if self.recompute:
-            self.policy_name += "+recompute"
-        if self.checkpoints != CHUNK_CHECKPOINTS:
-            self.policy_name += f"+{self.checkpoints}"
+        self.policy_name = policy_name(policy.name, eviction, self.recompute, self.checkpoints)
         chain_group = next((g.group_id for g in config.groups  # compressed kinds too
-                            if isinstance(g.spec, FullAttentionSpec)), None)
+                            if g.spec.is_full_attention), None)
         self.pool = _make_pool(config, eviction, chain_group)
         self.coordinator = HybridCoordinator(config, self.pool, policy,
                                              chain_group if eviction.chain or eviction.flops
@@ -165,7 +151,7 @@ class KVCacheManager:
         self.manager_seconds = self.hash_seconds = 0.0
         """``clock`` time spent inside lookup/allocate/free (prompt hashing excluded), and
         hashing prompts in ``add_request`` (vLLM does it in its Request)."""
-        self._event_log: EventLog | None = None
+        self._event_log: EventRecorder | None = None
         if enable_kv_cache_events:
             self.start_kv_cache_events()
 
@@ -184,7 +170,7 @@ class KVCacheManager:
             raise ConfigError("enable_kv_cache_events", True,
                               f"KV events need msgspec: pip install 'hybridkv[events]' "
                               f"({err})") from err
-        self._event_log = make_event_log(self)
+        self._event_log = make_event_log(self.config, self.coordinator, self.hasher.block_size)
         self.pool.event_records = self._event_log.records
 
     @property
@@ -432,7 +418,6 @@ class KVCacheManager:
         return Allocation(num_computed, num_new_tokens, num_hit, tuple(new_blocks))
 
     def _flush_events(self, req_id: ReqId, state: _RequestState) -> None:
-        from hybridkv.events.log import RequestContext
         assert self._event_log is not None
         self._event_log.flush(RequestContext(req_id, state.block_hashes, state.token_ids,
                                              state.extra_keys, state.session_id))
@@ -641,30 +626,7 @@ class KVCacheManager:
     def snapshot(self) -> CacheSnapshot:
         """A frozen copy of the cache's state: every cached block (group, hash, holders,
         free queue), the free-queue order allocation follows, per-group usage. O(pool)."""
-        pool = self.pool
-        queue_names = ("dead", "free", "protected", "session", "pinned")
-        cached: list[CachedBlock] = []
-        cached_by_group = [0] * len(self.config.groups)
-        cached_free_by_group = [0] * len(self.config.groups)
-        for block in pool.blocks:
-            if block.block_hash is None or block.hash_group_id is None:
-                continue
-            group_id = block.hash_group_id
-            queue = None if block.queue_id is None else queue_names[block.queue_id]
-            cached.append(CachedBlock(block.block_id, group_id, block.block_hash,
-                                      block.ref_count, queue))
-            cached_by_group[group_id] += 1
-            if block.ref_count == 0:
-                cached_free_by_group[group_id] += 1
-        groups = tuple(
-            GroupUsage(group.group_id, group.spec.kind,
-                       len({b.block_id for table in manager.tables.values()
-                            for b in table if not b.is_null}),
-                       cached_by_group[group.group_id], cached_free_by_group[group.group_id])
-            for group, manager in zip(self.config.groups, self.coordinator.managers,
-                                      strict=True))
-        return CacheSnapshot(pool.epoch, pool.num_blocks, pool.num_free_blocks,
-                             tuple(pool.free_queue_order()), tuple(cached), groups)
+        return take_snapshot(self.pool, self.config.groups, self.coordinator.managers)
 
     # --------------------------------------------------------------- queries
     def get_block_ids(self, req_id: ReqId) -> tuple[tuple[int, ...], ...]:
@@ -810,7 +772,7 @@ def _make_pool(config: CacheConfig, eviction: EvictionOptions, chain_group: Grou
     """The block pool, with its eviction policy unless that is plain ``lru``."""
     evictor = None if eviction.name == "lru" else \
         EvictionPolicy(eviction, config.num_blocks, chain_group,
-                       [g.spec.kind for g in config.groups])
+                       [g.spec for g in config.groups])
     pool = BlockPool(config.num_blocks, len(config.groups), evictor)
     if evictor is not None:
         evictor.bind(pool)

@@ -7,7 +7,7 @@ Worked example (``gemma3-bench``): 8 full-attention and 40 sliding-window layers
 size is the smallest per-type layer count (8), because the largest (40) is at least 1.5x
 of it; so full attention forms 1 group and sliding window ``ceil(40 / 8) = 5`` groups.
 
->>> from hybridkv.specs import SlidingWindowSpec
+>>> from hybridkv.specs import FullAttentionSpec, SlidingWindowSpec
 >>> full = FullAttentionSpec(block_size=16, kv_bytes_per_token=1024)
 >>> swa = SlidingWindowSpec(block_size=16, kv_bytes_per_token=1024, sliding_window=1024)
 >>> groups = plan_cache_groups([full] * 8 + [swa] * 40)
@@ -25,36 +25,22 @@ from typing import Literal
 
 from hybridkv.errors import ConfigError
 from hybridkv.ids import GroupId
-from hybridkv.specs import FullAttentionSpec, LayerSpec, is_prefix_cacheable, page_bytes
+from hybridkv.packing import plan_packed_groups
+from hybridkv.specs import CacheGroup, LayerSpec
 
 HashAlgo = Literal["sha256", "xxhash"]
-
-
-@dataclass(frozen=True, slots=True)
-class CacheGroup:
-    """Layers that share one block table; ``layer_ids`` may be shorter than the group size
-    for the last group of a type (vLLM pads it; the padding still costs memory)."""
-
-    group_id: GroupId
-    spec: LayerSpec
-    layer_ids: tuple[int, ...]
-    layer_specs: tuple[LayerSpec, ...] = ()
-    """Per-member specs of a block-outermost packed group (``hybridkv.packing``): members
-    share ``spec``'s kind and block size but may differ in page bytes. Empty: every member
-    is ``spec`` (uniform-page planning)."""
 
 
 def plan_cache_groups(layer_specs: Sequence[LayerSpec]) -> tuple[CacheGroup, ...]:
     """Group layers into cache groups of equal layer count (full attention first)."""
     if not layer_specs:
         raise ConfigError("layer_specs", [], "a model needs at least one layer")
-    if any(getattr(spec, "packs_block_outermost", False) for spec in layer_specs):
-        from hybridkv.packing import plan_packed_groups  # packing imports this module
+    if any(spec.packs_block_outermost for spec in layer_specs):
         return plan_packed_groups(layer_specs)
     by_spec: dict[LayerSpec, list[int]] = {}
     for layer_id, spec in enumerate(layer_specs):
         by_spec.setdefault(spec, []).append(layer_id)
-    ordered = sorted(by_spec.items(), key=lambda item: not isinstance(item[0], FullAttentionSpec))
+    ordered = sorted(by_spec.items(), key=lambda item: not item[0].is_full_attention)
     if len(ordered) == 1:
         spec, layer_ids = ordered[0]
         return (CacheGroup(GroupId(0), spec, tuple(layer_ids)),)
@@ -141,7 +127,7 @@ class CacheConfig:
             raise ConfigError("max_model_len", self.max_model_len, "must be positive or None")
         unit = self.prefix_match_unit
         if unit is not None:
-            sizes = [g.spec.block_size for g in self.groups if is_prefix_cacheable(g.spec)]
+            sizes = [g.spec.block_size for g in self.groups if g.spec.prefix_cacheable]
             if isinstance(unit, bool) or not isinstance(unit, int) or unit <= 0 \
                     or any(size % unit for size in sizes):
                 raise ConfigError("prefix_match_unit", unit,
@@ -175,7 +161,7 @@ class CacheConfig:
     def alignment_tokens(self) -> int:
         """Hit alignment ``S``: the lcm of the groups' block sizes.
 
-        >>> from hybridkv.specs import SlidingWindowSpec
+        >>> from hybridkv.specs import FullAttentionSpec, SlidingWindowSpec
         >>> full = FullAttentionSpec(256, 1); swa = SlidingWindowSpec(64, 1, 128)
         >>> CacheConfig.from_layers([full, swa], num_blocks=10).alignment_tokens
         256
@@ -188,7 +174,7 @@ class CacheConfig:
         block sizes (all groups when none is; V4.1's ring buffers never hash)."""
         if self.prefix_match_unit is not None:
             return self.prefix_match_unit
-        sizes = [g.spec.block_size for g in self.groups if is_prefix_cacheable(g.spec)]
+        sizes = [g.spec.block_size for g in self.groups if g.spec.prefix_cacheable]
         return math.gcd(*(sizes or [g.spec.block_size for g in self.groups]))
 
     @property
@@ -200,6 +186,6 @@ class CacheConfig:
         """Bytes of one block: the largest group page (smaller pages are padded to it);
         for block-outermost packed groups, the widest group's summed member pages."""
         if any(g.layer_specs for g in self.groups):
-            return max(sum(page_bytes(s) for s in g.layer_specs or (g.spec,) * len(
+            return max(sum(s.page_bytes for s in g.layer_specs or (g.spec,) * len(
                 g.layer_ids)) for g in self.groups)
-        return self.layers_per_group * max(page_bytes(g.spec) for g in self.groups)
+        return self.layers_per_group * max(g.spec.page_bytes for g in self.groups)

@@ -22,24 +22,18 @@ from hybridkv.errors import ConfigError
 from hybridkv.eviction import ROOT_PARENT
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers import MANAGER_FOR_SPEC, GroupManager, coarse_hashes
+from hybridkv.managers.base import CacheUnit
 from hybridkv.managers.chunked import ChunkedLocalManager
-from hybridkv.managers.recurrent import (
+from hybridkv.managers.recurrent import align_recurrent_chunk
+from hybridkv.policies import (
     BLOCK_CHECKPOINTS,
     CHUNK_CHECKPOINTS,
-    RecurrentStateManager,
-    align_recurrent_chunk,
+    RetentionPolicy,
     branch_unit_tokens,
 )
-from hybridkv.policies import RetentionPolicy
 from hybridkv.pool import BlockPool
 from hybridkv.siblings import SiblingBatch
-from hybridkv.specs import (
-    CompressorStateSpec,
-    FullAttentionSpec,
-    LayerSpec,
-    SlidingWindowSpec,
-    is_prefix_cacheable,
-)
+from hybridkv.specs import LayerSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +102,8 @@ class HybridCoordinator:
         has_window = any(not m.is_full_attention for m in self.managers)
         retention.validate(self.alignment_tokens, has_window)
         self._units = self._make_units()
-        self._units_are_batches = any(isinstance(u, SiblingBatch) for u in self._units)
-        self._releasing_units = [u for u in self._units if not _is_full_attention(u)]
+        self._units_are_batches = len(self._units) < len(self.managers)
+        self._releasing_units = [u for u in self._units if not u.lead.is_full_attention]
         self._last_full_attention: tuple[int, list[list[Block]]] = (0, [])
         self._next_release: dict[ReqId, int] = {}
         """Per running request: computed tokens before which no window block can leave."""
@@ -124,11 +118,9 @@ class HybridCoordinator:
                 manager.is_chain_reference = manager.group_id == chain_group_id
         self._step_managers = [m for m in self.managers if m.has_step_state]
         for manager in self.managers:
-            if isinstance(manager, RecurrentStateManager):
-                manager.every_block = checkpoints == BLOCK_CHECKPOINTS
+            manager.set_checkpoint_policy(checkpoints)
         self._recurrent_block_size = None if checkpoints == BLOCK_CHECKPOINTS else next(
-            (m.block_size for m in self.managers if isinstance(m, RecurrentStateManager)),
-            None)
+            (m.block_size for m in self.managers if m.writes_checkpoints), None)
         self._caps = [
             m.admission_cap_blocks(config.max_num_batched_tokens, config.max_model_len)
             for m in self.managers
@@ -136,11 +128,11 @@ class HybridCoordinator:
         self.branch = _make_branch(config, pool, checkpoints)
         """``ckpt:branch``: sub-block hits (snapshots, copy-on-write, seen prefixes)."""
 
-    def _make_units(self) -> list[GroupManager | SiblingBatch]:
+    def _make_units(self) -> list[CacheUnit]:
         """Consecutive sibling groups batched (without an eviction policy, which may relink
         blocks as they are freed), else one unit per group, in group order."""
         batchable = self.pool.eviction is None
-        units: list[GroupManager | SiblingBatch] = []
+        units: list[CacheUnit] = []
         run: list[GroupManager] = []
         for manager in [*self.managers, None]:
             if manager is not None and run and manager.spec == run[0].spec and batchable \
@@ -157,7 +149,7 @@ class HybridCoordinator:
     def _make_spec_groups(self) -> list[SpecGroup]:
         by_spec: dict[LayerSpec, list[GroupId]] = {}
         for manager in self.managers:
-            if not is_prefix_cacheable(manager.spec) or \
+            if not manager.spec.prefix_cacheable or \
                     manager.group_id in self.replayed_group_ids:
                 continue  # V4.1 ring buffers, bounded-replay windows: never looked up
             by_spec.setdefault(manager.spec, []).append(manager.group_id)
@@ -370,10 +362,7 @@ class HybridCoordinator:
             for manager, hit_blocks, block in zip(self.managers, hit_tables, fresh,
                                                   strict=True):
                 manager.add_hit_blocks(req_id, hit_blocks[:-1], num_hit_tokens)
-                if isinstance(manager, RecurrentStateManager):
-                    manager.add_copied_state(req_id, block, num_hit_tokens)
-                else:
-                    manager.tables[req_id].append(block)
+                manager.add_copied_block(req_id, block, num_hit_tokens)
             return
         for manager, hit_blocks in zip(self.managers, hit_tables, strict=True):
             manager.add_hit_blocks(req_id, hit_blocks, num_hit_tokens)
@@ -390,11 +379,7 @@ class HybridCoordinator:
         else:
             new_blocks = []
             for unit in self._units:
-                if isinstance(unit, SiblingBatch):
-                    new_blocks.extend(unit.allocate_new_blocks(req_id, num_tokens))
-                else:
-                    new_blocks.append(unit.allocate_new_blocks(
-                        req_id, main if unit.ignores_lookahead else num_tokens))
+                unit.allocate_into(req_id, num_tokens, main, new_blocks)
         self._covered_tokens[req_id] = min(len(m.tables[req_id]) * m.block_size
                                            for m in self._covering)
         return new_blocks
@@ -428,7 +413,7 @@ class HybridCoordinator:
             first_new = [m.num_cached_blocks.get(req_id, 0) if m.is_full_attention else 0
                          for m in self.managers]
         for unit in self._units:
-            manager = unit.members[0] if isinstance(unit, SiblingBatch) else unit
+            manager = unit.lead
             if manager.group_id in self.replayed_group_ids:
                 continue  # bounded-replay: rebuilt after each hit, never hashed
             cacheable = num_tokens
@@ -465,8 +450,7 @@ class HybridCoordinator:
             return
         if p != junction_tokens:
             return
-        sources = [m.tables[req_id][-1] if isinstance(m, RecurrentStateManager)
-                   else m.tables[req_id][p // bs] for m in self.managers]
+        sources = [m.snapshot_source(req_id, p) for m in self.managers]
         k, ratio = p // bs, bs // u
         full_end = (k + 1) * ratio  # units up to the end of block k
         full_hash = hashes[full_end - 1] \
@@ -494,10 +478,7 @@ class HybridCoordinator:
             return
         if self._units_are_batches:
             for unit in self._units:
-                if isinstance(unit, SiblingBatch):
-                    unit.free(req_id)
-                else:
-                    unit.free(req_id, session_id)
+                unit.free(req_id, session_id)
             return
         for manager in self.managers:
             manager.free(req_id, session_id)
@@ -515,11 +496,6 @@ class HybridCoordinator:
         return counts
 
 
-def _is_full_attention(unit: GroupManager | SiblingBatch) -> bool:
-    return unit.members[0].is_full_attention if isinstance(unit, SiblingBatch) \
-        else unit.is_full_attention
-
-
 def _bridge_tokens(config: CacheConfig) -> int | None:
     """Bridge length so that every window block of the tail ending at ``F`` is exact.
 
@@ -532,16 +508,17 @@ def _bridge_tokens(config: CacheConfig) -> int | None:
     older blocks another request cached exactly, so the whole block must be exact.
     """
     kinds = {g.spec.kind for g in config.groups}
-    reads_prefix = any(isinstance(g.spec, FullAttentionSpec) for g in config.groups)
+    reads_prefix = any(g.spec.is_full_attention for g in config.groups)
     if not reads_prefix or "chunked_local" in kinds \
             or "recurrent_state" in kinds:  # a recurrent state cannot be rebuilt from a window
         return None
-    windows = sorted((layer_id, g.spec) for g in config.groups for layer_id in g.layer_ids
-                     if isinstance(g.spec, SlidingWindowSpec))
+    windows = sorted((layer_id, window, g.spec.num_tail_blocks * g.spec.block_size)
+                     for g in config.groups for layer_id in g.layer_ids
+                     if (window := g.spec.window_tokens) is not None)
     span = spread = 0
-    for _, spec in windows:
-        span = max(span, spread + spec.num_tail_blocks * spec.block_size)
-        spread += spec.sliding_window - 1
+    for _, window, tail_tokens in windows:
+        span = max(span, spread + tail_tokens)
+        spread += window - 1
     align = config.alignment_tokens
     return -(-span // align) * align
 
@@ -554,9 +531,8 @@ def _replayed_windows(config: CacheConfig, retention: RetentionPolicy,
     deepseek-v4-flash: the two ``sliding_window_mla`` groups, window 128."""
     if not retention.replays_attention_windows:
         return frozenset(), 0
-    windows = {g.group_id: g.spec.sliding_window for g in config.groups
-               if isinstance(g.spec, SlidingWindowSpec)
-               and not isinstance(g.spec, CompressorStateSpec)}
+    windows = {g.group_id: window for g in config.groups
+               if g.spec.is_attention_window and (window := g.spec.window_tokens) is not None}
     if not windows:
         raise ConfigError("policy", retention.name,
                           "needs sliding-window attention groups to replay; this model has none")
@@ -595,7 +571,7 @@ def _make_branch(config: CacheConfig, pool: BlockPool, checkpoints: str,
     capacity = min(max(4 * config.num_blocks * block_size // unit, 1 << 16), 1 << 22)
     return BranchSnapshots(pool, unit, block_size, [g.group_id for g in config.groups],
                            capacity, [g.group_id for g in config.groups
-                                      if isinstance(g.spec, FullAttentionSpec)])
+                                      if g.spec.is_full_attention])
 
 
 def _eagle_group_ids(config: CacheConfig) -> set[int]:

@@ -108,20 +108,24 @@ class CapacityError(HybridKVError):
 class PoolTooSmallError(HybridKVError):
     """A request needs more blocks than the whole pool holds, so a replay cannot progress.
 
-    >>> str(PoolTooSmallError("r7", 4096, 257, 100, "--num-blocks"))
-    "request 'r7' (4096 tokens) needs at least 257 blocks but the pool holds 100 (99 usable); \
-raise --num-blocks (or --kv-memory) to at least 258"
+    >>> str(PoolTooSmallError("r7", 4096, 257, 100, "--num-blocks",
+    ...                       origin="trace 't.jsonl'"))
+    "request 'r7' (4096 tokens) of trace 't.jsonl' needs at least 257 blocks but the \
+pool holds 100 (99 usable); raise --num-blocks (or --kv-memory) to at least 258"
     """
 
     def __init__(self, req_id: str, num_tokens: int, blocks_needed: int, num_blocks: int,
-                 flag: str = "--num-blocks") -> None:
+                 flag: str = "--num-blocks", *, origin: str | None = None) -> None:
         self.req_id = req_id
         self.num_tokens = num_tokens
         self.blocks_needed = blocks_needed
         self.num_blocks = num_blocks
+        self.origin = origin
+        """Where the request came from (``trace '…'``, ``workload '…'``)."""
+        of = "" if origin is None else f" of {origin}"
         super().__init__(
-            f"request {req_id!r} ({num_tokens} tokens) needs at least {blocks_needed} blocks "
-            f"but the pool holds {num_blocks} ({num_blocks - 1} usable); raise {flag} "
+            f"request {req_id!r} ({num_tokens} tokens){of} needs at least {blocks_needed} "
+            f"blocks but the pool holds {num_blocks} ({num_blocks - 1} usable); raise {flag} "
             f"(or --kv-memory) to at least {blocks_needed + 1}")
 
 

@@ -79,7 +79,8 @@ from hybridkv.errors import ConfigError, InvariantViolation
 from hybridkv.hitpoints import HitPoints
 from hybridkv.ids import BlockHash, GroupId
 from hybridkv.native import mypyc_attr
-from hybridkv.pool import BlockPool, FreeTier
+from hybridkv.pool import BlockPool, EvictionHook, FreeTier
+from hybridkv.specs import LayerSpec
 
 EVICTION_NAMES = ("lru", "scan", "chain", "session", "predict", "flops")
 ROOT_PARENT = BlockHash(b"")
@@ -222,7 +223,7 @@ class EvictionOptions:
         return "+".join(parts) or "lru"
 
 
-class EvictionPolicy:
+class EvictionPolicy(EvictionHook):
     """Places freed cached blocks into the pool's queues; hooks into caching and eviction.
 
     Invariants (``check_invariants``, called by the pool's): a block carries ``is_dead``
@@ -234,7 +235,7 @@ class EvictionPolicy:
 
     def __init__(self, options: EvictionOptions, num_blocks: int,
                  chain_group_id: GroupId | None,
-                 group_kinds: Sequence[str] = ()) -> None:
+                 group_specs: Sequence[LayerSpec] = ()) -> None:
         self.options = options
         self.name = options.name
         self.chain_group_id = chain_group_id if options.chain else None
@@ -260,15 +261,15 @@ class EvictionPolicy:
         """``flops``: usable hit points and anchored blocks (set by ``bind``)."""
         self._point_group_ids: list[GroupId] = []
         if options.flops:
-            unsupported = sorted(set(group_kinds) - {"full_attention", "recurrent_state"})
+            unsupported = sorted({s.kind for s in group_specs if s.flops_role is None})
             if unsupported or chain_group_id is None:
                 raise ConfigError(
                     "policy", "flops",
                     "values hit points of full-attention + recurrent-state models; this "
                     f"model has {', '.join(unsupported) or 'no full-attention'} groups: "
                     "drop +flops")
-            self._point_group_ids = [GroupId(g) for g, kind in enumerate(group_kinds)
-                                     if kind == "recurrent_state"]
+            self._point_group_ids = [GroupId(g) for g, spec in enumerate(group_specs)
+                                     if spec.flops_role == "points"]
         self._flops_group_id = chain_group_id
         self._releasing = False
         self._release_buffer: list[Block] = []

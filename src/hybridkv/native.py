@@ -12,7 +12,11 @@ shadowed by a stale extension — the core falls back to pure Python with a one-
 
 Native root: ``$HYBRIDKV_NATIVE_DIR``, else ``build/hybridkv-native`` of the source checkout
 the package is imported from (``<root>/src/hybridkv`` with ``<root>/pyproject.toml``), else
-none (an installed wheel: pure Python, silently).
+none: an installed wheel, which carries its build inside the package, in ``_compiled/``
+(``lib/`` with the extensions, ``manifest.json`` with the fingerprint of the sources it was
+compiled from; ``hatch_build.py`` puts it there). It is used only while the installed
+sources still have that fingerprint; a wheel built without a C compiler carries only
+``_compiled/last-build-failed.txt`` (the reason), which the import turns into its notice.
 
 Switches: ``HYBRIDKV_PURE_PYTHON=1`` selects the pure-Python source (no notice).
 
@@ -71,6 +75,8 @@ GROUP_NAME = "hybridkv_native"
 MANIFEST = "manifest.json"
 STATUS = "last-build-failed.txt"
 """Written into the native root when a build could not be made (one line: why)."""
+SHIPPED_DIR = "_compiled"
+"""A wheel's build, inside the installed package (``hybridkv/_compiled/``)."""
 
 COMPILED_MODULES: tuple[str, ...] = (
     "hybridkv.block",
@@ -165,7 +171,9 @@ def decide(package_dir: Path = PACKAGE_DIR) -> Selection:
     if os.environ.get(PURE_ENV, "") not in ("", "0"):
         return Selection("pure", f"{PURE_ENV}={os.environ[PURE_ENV]}")
     root = native_root(package_dir)
-    if root is None or not root.is_dir():
+    if root is None:
+        return _decide_installed(package_dir)
+    if not root.is_dir():
         return Selection("pure", "no compiled build (python -m hybridkv.native_build)")
     fingerprint = fingerprint_of(source_files(package_dir))
     build_dir = root / fingerprint
@@ -183,6 +191,35 @@ def decide(package_dir: Path = PACKAGE_DIR) -> Selection:
         f"hybridkv: the compiled core in {root} was built from other sources than "
         f"{package_dir} (edited since); using the pure-Python core — rebuild: "
         "python -m hybridkv.native_build"), notice_marker=root / f"notified-{fingerprint}")
+
+
+def manifest_fingerprint(build_dir: Path) -> str | None:
+    """The fingerprint a build's manifest names (``None``: no readable manifest)."""
+    try:
+        value = json.loads((build_dir / MANIFEST).read_text())["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _decide_installed(package_dir: Path) -> Selection:
+    """An installed package (no checkout): the wheel's own build in ``_compiled/``."""
+    shipped = package_dir / SHIPPED_DIR
+    status = shipped / STATUS
+    if build_is_complete(shipped):
+        fingerprint = fingerprint_of(source_files(package_dir))
+        if manifest_fingerprint(shipped) == fingerprint:
+            return Selection("compiled", f"the wheel's mypyc build {fingerprint}", shipped)
+        return Selection("pure", "installed sources differ from the wheel's build", notice=(
+            f"hybridkv: the compiled core in {shipped} was built from other sources than "
+            f"{package_dir} (edited since); using the pure-Python core — reinstall"),
+            notice_marker=shipped / f"notified-{fingerprint}")
+    if status.is_file():
+        why = (status.read_text().strip().splitlines() or ["?"])[0]
+        return Selection("pure", why, notice=(
+            f"hybridkv: this wheel has no compiled core ({why}); using the pure-Python core"),
+            notice_marker=shipped / "notified-failed")
+    return Selection("pure", "no compiled build (an install without the build hook)")
 
 
 class _BuildFinder:

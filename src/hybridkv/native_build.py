@@ -105,7 +105,11 @@ def _prune(root: Path, keep: int) -> None:
 
 def build(package_dir: Path, root: Path, python: str = sys.executable) -> str:
     """Compile ``package_dir``'s hot modules into ``root``; returns one line: ``built …``,
-    ``up to date …`` or ``failed: why`` (never raises for a missing tool)."""
+    ``up to date …`` or ``failed: why`` (never raises for a missing tool). A complete
+    build of these very sources is reused, with or without a compiler."""
+    existing = root / fingerprint_of(source_files(package_dir))
+    if build_is_complete(existing):
+        return f"up to date: {existing}"
     if c_compiler() is None:
         return _fail(root, "no C compiler found (set CC or install gcc/clang)")
     check = subprocess.run([python, "-c", "import mypyc.build, setuptools"],

@@ -30,36 +30,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from hybridkv.config import CacheGroup
 from hybridkv.errors import ConfigError
 from hybridkv.ids import GroupId
-from hybridkv.specs import (
-    ChunkedLocalSpec,
-    FullAttentionSpec,
-    LayerSpec,
-    RingBufferSpec,
-    SlidingWindowSpec,
-    page_bytes,
-)
-
-
-def uniform_type_key(spec: LayerSpec) -> Hashable:
-    """Layers with equal keys may share a group: equal block size and slot needs.
-
-    >>> from hybridkv.specs import CompressedAttentionSpec
-    >>> uniform_type_key(CompressedAttentionSpec(256, tokens_per_state=128, entry_bytes=584))
-    ('full', 256)
-    """
-    if isinstance(spec, FullAttentionSpec):
-        return ("full", spec.block_size)
-    if isinstance(spec, SlidingWindowSpec):
-        return ("window", spec.block_size, spec.sliding_window)
-    if isinstance(spec, ChunkedLocalSpec):
-        return ("chunked", spec.block_size, spec.attention_chunk_size)
-    if isinstance(spec, RingBufferSpec):
-        return ("ring", spec.block_size)
-    raise ConfigError("layer_specs", type(spec).__name__,
-                      "has no block-outermost packing rule")
+from hybridkv.specs import CacheGroup, LayerSpec
 
 
 def approximate_gcd(values: Sequence[int], lower_bound: int) -> int:
@@ -110,13 +83,13 @@ def plan_packed_groups(layer_specs: Sequence[LayerSpec]) -> tuple[CacheGroup, ..
     buckets: list[_Bucket] = []
     index: dict[Hashable, _Bucket] = {}
     for layer_id, spec in enumerate(layer_specs):
-        key = uniform_type_key(spec)
+        key = spec.packing_key()
         bucket = index.get(key)
         if bucket is None:
             bucket = index[key] = _Bucket(key, spec)
             buckets.append(bucket)
         bucket.layers.append(layer_id)
-        bucket.by_page.setdefault(page_bytes(spec), []).append(layer_id)
+        bucket.by_page.setdefault(spec.page_bytes, []).append(layer_id)
     mixed_balanced = [b.max_layers_per_page for b in buckets
                       if b.balanced and len(b.by_page) > 1]
     min_repeats = max(mixed_balanced, default=0)
@@ -131,9 +104,8 @@ def plan_packed_groups(layer_specs: Sequence[LayerSpec]) -> tuple[CacheGroup, ..
         return 1
 
     def is_state_bucket(bucket: _Bucket) -> bool:
-        if isinstance(bucket.first_spec, RingBufferSpec):
-            return True
-        return repeats is None and isinstance(bucket.first_spec, SlidingWindowSpec)
+        tag = bucket.first_spec.packing_key()[0]
+        return tag == "ring" or (repeats is None and tag == "window")
 
     anchor = max(b.widest_group_bytes(len(b.layers) if is_state_bucket(b) else num_groups_for(b))
                  for b in buckets)
@@ -141,7 +113,7 @@ def plan_packed_groups(layer_specs: Sequence[LayerSpec]) -> tuple[CacheGroup, ..
     for bucket in buckets:
         num_groups = num_groups_for(bucket)
         if anchor and is_state_bucket(bucket):
-            per_block = max(anchor // page_bytes(bucket.first_spec), 1)
+            per_block = max(anchor // bucket.first_spec.page_bytes, 1)
             num_groups = max(num_groups, -(-len(bucket.layers) // per_block))
         if num_groups == 1:
             member_lists = [bucket.layers]
@@ -163,4 +135,4 @@ def plan_packed_groups(layer_specs: Sequence[LayerSpec]) -> tuple[CacheGroup, ..
 
 def packed_bytes_per_block(groups: Sequence[CacheGroup]) -> int:
     """One pool block: the widest group's summed pages (block-outermost rows)."""
-    return max(sum(page_bytes(s) for s in g.layer_specs) for g in groups)
+    return max(sum(s.page_bytes for s in g.layer_specs) for g in groups)

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hybridkv.block import Block
 from hybridkv.errors import ConfigError
+from hybridkv.eviction import EvictionOptions, parse_eviction
 from hybridkv.pool import FreeTier
 
 POLICY_NAMES = ("dense", "reachable", "prepend", "latest", "interval:N", "pin:T",
@@ -233,15 +235,66 @@ class PinPolicy(PrependPolicy):
         self.name = f"pin:{pin_tokens}"
 
 
-def split_policy_name(name: str) -> tuple[str, list[str]]:
-    """``"interval:32768+scan+chain"`` → ``("interval:32768", ["scan", "chain"])``."""
-    retention, *modifiers = [part.strip() for part in name.split("+")]
-    return retention, modifiers
+CHUNK_CHECKPOINTS = "ckpt:chunk"
+"""vLLM 0.33 align mode: a state is written at each step's end only (chunk ends aligned)."""
+BLOCK_CHECKPOINTS = "ckpt:block"
+"""Every block end a step passes gets its own block and state (the engine exports the
+state at each block end of a chunk, as chunked scans compute it anyway); chunks are not
+clipped, and the retention policy decides which of these checkpoints stay hashed."""
+BRANCH_CHECKPOINTS = "ckpt:branch"
+"""``ckpt:chunk`` plus sub-block hits (``hybridkv.branch``): hashes every ``u`` tokens
+(``ckpt:branch:U``; default 16, or 1 for blocks of at most 16 tokens), chunks end at
+branch points, snapshots there are hit with copy-on-write. Not vLLM 0.33 behaviour: an
+opt-in policy."""
+CHECKPOINT_POLICIES = (CHUNK_CHECKPOINTS, BLOCK_CHECKPOINTS, BRANCH_CHECKPOINTS)
+DEFAULT_BRANCH_UNIT_TOKENS = 16
+
+
+def parse_checkpoint_policy(name: str) -> str:
+    """Validate a checkpoint policy name (``ckpt:chunk``, ``ckpt:block``, ``ckpt:branch``
+    or ``ckpt:branch:U`` with a positive unit ``U`` in tokens).
+
+    >>> parse_checkpoint_policy("ckpt:block"), parse_checkpoint_policy("ckpt:branch:32")
+    ('ckpt:block', 'ckpt:branch:32')
+    """
+    if name in CHECKPOINT_POLICIES:
+        return name
+    prefix = BRANCH_CHECKPOINTS + ":"
+    if name.startswith(prefix) and name[len(prefix):].isdigit() \
+            and int(name[len(prefix):]) > 0:
+        return name
+    raise ConfigError("policy", name,
+                      f"unknown checkpoint policy; choose {', '.join(CHECKPOINT_POLICIES)} "
+                      "or ckpt:branch:U (U = hit unit in tokens, e.g. ckpt:branch:16)")
+
+
+def branch_unit_tokens(name: str, block_size: int) -> int | None:
+    """The hit unit of a ``ckpt:branch`` policy for ``block_size``-token blocks, ``None``
+    for the other checkpoint policies. The default is 16 tokens (vLLM's kernel block), or
+    1 token when a block holds at most 16.
+
+    >>> branch_unit_tokens("ckpt:branch", 784), branch_unit_tokens("ckpt:branch", 8)
+    (16, 1)
+    >>> branch_unit_tokens("ckpt:branch:4", 8), branch_unit_tokens("ckpt:chunk", 784)
+    (4, None)
+    """
+    if not name.startswith(BRANCH_CHECKPOINTS):
+        return None
+    if name != BRANCH_CHECKPOINTS:
+        unit = int(name[len(BRANCH_CHECKPOINTS) + 1:])
+    elif block_size > DEFAULT_BRANCH_UNIT_TOKENS and block_size % DEFAULT_BRANCH_UNIT_TOKENS == 0:
+        unit = DEFAULT_BRANCH_UNIT_TOKENS
+    else:
+        unit = 1
+    if block_size % unit:
+        raise ConfigError("policy", name,
+                          f"the hit unit must divide the block size {block_size}")
+    return unit
 
 
 def make_retention_policy(name: str) -> RetentionPolicy:
     """Build a policy from its name (``dense``, ``latest``, ``interval:32768``, ``pin:4096``…)."""
-    text, modifiers = split_policy_name(name)
+    text, *modifiers = [part.strip() for part in name.split("+")]
     if modifiers:
         raise ConfigError("policy", name, "name a retention policy alone here; eviction "
                           "modifiers (+scan, +chain, +session, +predict) go to KVCacheManager")
@@ -262,3 +315,80 @@ def make_retention_policy(name: str) -> RetentionPolicy:
             ) from None
         return IntervalPolicy(tokens) if kind == "interval" else PinPolicy(tokens)
     raise ConfigError("policy", name, f"choose one of {', '.join(POLICY_NAMES)}")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """A policy string, parsed: ``RETENTION[+MODIFIER]...``.
+
+    ``RETENTION`` is a ``make_retention_policy`` name; each modifier is an eviction component
+    (``scan``, ``chain``, ``session``, ``predict``, ``flops``; ``lru`` is the default and
+    names nothing), ``recompute`` (window-recompute partial hits) or a checkpoint policy
+    (``ckpt:chunk``, ``ckpt:block``, ``ckpt:branch[:U]``; the last one given applies).
+    Parts are stripped; modifiers may come in any order. The one parser of policy strings:
+    the manager, the replay, sweep and cluster commands and the engine's verify use it.
+
+    Attributes:
+        retention: the retention policy's canonical name (``interval:32768``).
+        eviction: the eviction options the modifiers name; ``None`` when they name none
+            but ``lru`` (a manager then uses its ``eviction`` argument).
+        recompute: ``+recompute`` given.
+        checkpoints: the checkpoint policy (default ``ckpt:chunk``, vLLM's align mode).
+
+    >>> spec = PolicySpec.parse("latest+recompute+chain+ckpt:branch")
+    >>> spec.retention, spec.eviction.name, spec.recompute, spec.checkpoints
+    ('latest', 'chain', True, 'ckpt:branch')
+    >>> spec.name  # canonical: eviction components, then recompute, then checkpoints
+    'latest+chain+recompute+ckpt:branch'
+    >>> PolicySpec.parse(spec.name) == spec, PolicySpec.parse("interval:32768").name
+    (True, 'interval:32768')
+    >>> PolicySpec.parse("latest+sacn")
+    Traceback (most recent call last):
+    ...
+    hybridkv.errors.ConfigError: policy='sacn' is invalid: unknown eviction policy; \
+choose from lru, scan, chain, session, predict, flops
+    """
+
+    retention: str
+    eviction: EvictionOptions | None = None
+    recompute: bool = False
+    checkpoints: str = CHUNK_CHECKPOINTS
+
+    @classmethod
+    def parse(cls, text: str) -> PolicySpec:
+        """Parse and validate ``text``; ``ConfigError`` names the part that is wrong
+        (checked in order: the retention name, checkpoint policies, eviction names)."""
+        retention, *modifiers = [part.strip() for part in text.split("+")]
+        policy = make_retention_policy(retention)
+        checkpoints = [parse_checkpoint_policy(m) for m in modifiers if m.startswith("ckpt:")]
+        eviction = parse_eviction([m for m in modifiers
+                                   if m != "recompute" and not m.startswith("ckpt:")])
+        return cls(policy.name, None if eviction == EvictionOptions() else eviction,
+                   "recompute" in modifiers,
+                   checkpoints[-1] if checkpoints else CHUNK_CHECKPOINTS)
+
+    def retention_policy(self) -> RetentionPolicy:
+        """A new ``RetentionPolicy`` object for ``retention``."""
+        return make_retention_policy(self.retention)
+
+    @property
+    def name(self) -> str:
+        """The canonical string: ``PolicySpec.parse(spec.name) == spec``."""
+        return policy_name(self.retention, self.eviction or EvictionOptions(), self.recompute,
+                           self.checkpoints)
+
+
+def policy_name(retention: str, eviction: EvictionOptions, recompute: bool,
+                checkpoints: str) -> str:
+    """The canonical policy string of its parts (what a manager reports as
+    ``policy_name``): the defaults ``lru`` and ``ckpt:chunk`` are left out.
+
+    >>> policy_name("interval:32768", EvictionOptions(predict=True), True, "ckpt:chunk")
+    'interval:32768+predict+recompute'
+    """
+    name = retention if eviction.name == "lru" else f"{retention}+{eviction.name}"
+    if recompute:
+        name += "+recompute"
+    if checkpoints != CHUNK_CHECKPOINTS:
+        name += f"+{checkpoints}"
+    return name

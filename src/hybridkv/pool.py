@@ -16,10 +16,10 @@ allocation falls through every queue, no tier can ever stall allocation.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
 from itertools import islice
-from typing import TYPE_CHECKING
 
 from hybridkv.block import (
     DEAD_QUEUE,
@@ -32,9 +32,6 @@ from hybridkv.block import (
 )
 from hybridkv.errors import CapacityError, InvariantViolation
 from hybridkv.ids import BlockHash, GroupId
-
-if TYPE_CHECKING:
-    from hybridkv.eviction import EvictionPolicy
 
 
 class FreeTier(IntEnum):
@@ -80,6 +77,39 @@ def _drop_references(blocks: list[Block], split: bool,
     return scratch, (cached if split else [])
 
 
+class EvictionHook(ABC):
+    """What the pool calls on its eviction policy (``hybridkv.eviction.EvictionPolicy``
+    implements it): declared here so that the pool imports no eviction code."""
+
+    @abstractmethod
+    def on_cached(self, block: Block, parent_hash: BlockHash | None) -> None:
+        """``block`` was given its hash (``parent_hash``: the previous block's)."""
+
+    @abstractmethod
+    def on_evicted(self, pool: BlockPool, block: Block, block_hash: BlockHash,
+                   group_id: GroupId, *, still_cached: bool) -> None:
+        """``block`` lost ``block_hash`` (``still_cached``: another copy keeps it indexed)."""
+
+    @abstractmethod
+    def place(self, pool: BlockPool, blocks: list[Block], default_tier: FreeTier,
+              session_id: str | None) -> None:
+        """Link freed hashed blocks (ref 0), in order, into their queues."""
+
+    @abstractmethod
+    def start_release(self, pool: BlockPool, session_id: str | None,
+                      num_output_tokens: int | None = None) -> None:
+        """A request is about to release its groups' blocks (the coordinator calls it;
+        ``end_release`` follows)."""
+
+    @abstractmethod
+    def end_release(self, pool: BlockPool) -> None:
+        """The release that ``start_release`` opened is over."""
+
+    @abstractmethod
+    def check_invariants(self, pool: BlockPool) -> None:
+        """Verify the policy's invariants (from the pool's ``check_invariants``)."""
+
+
 class BlockPool:
     """A pool of ``num_blocks`` blocks; block 0 is the reserved null block.
 
@@ -94,7 +124,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, num_groups: int,
-                 eviction: EvictionPolicy | None = None) -> None:
+                 eviction: EvictionHook | None = None) -> None:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]

@@ -23,17 +23,28 @@ from collections.abc import Sequence
 
 from hybridkv.block import Block
 from hybridkv.ids import BlockHash, ReqId
-from hybridkv.managers.base import GroupManager, live_blocks_tail_first, released_span
+from hybridkv.managers.base import (
+    CacheUnit,
+    GroupManager,
+    live_blocks_tail_first,
+    released_span,
+)
 from hybridkv.pool import BlockPool
 
 
-class SiblingBatch:
+class SiblingBatch(CacheUnit):
     """Members (in group order) of one spec group."""
 
     def __init__(self, members: Sequence[GroupManager], pool: BlockPool) -> None:
         self.members = list(members)
+        self.lead = self.members[0]
         self.pool = pool
         self.block_size = members[0].block_size
+
+    def allocate_into(self, req_id: ReqId, num_tokens: int, num_main_tokens: int,
+                      out: list[list[Block]]) -> None:
+        del num_main_tokens  # siblings of a lookahead-ignoring kind are never batched
+        out.extend(self.allocate_new_blocks(req_id, num_tokens))
 
     def allocate_new_blocks(self, req_id: ReqId, num_tokens: int) -> list[list[Block]]:
         tables = [m.tables.setdefault(req_id, []) for m in self.members]
@@ -94,7 +105,10 @@ class SiblingBatch:
     def next_release_tokens(self, num_computed_tokens: int) -> int:
         return self.members[0].next_release_tokens(num_computed_tokens)
 
-    def free(self, req_id: ReqId) -> None:
+    def free(self, req_id: ReqId, session_id: str | None = None) -> None:
+        """Release every member's blocks (batched only without an eviction policy, the one
+        reader of ``session_id``)."""
+        del session_id
         released: list[list[Block]] = []
         for member in self.members:
             table = member.tables.pop(req_id, None)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from hybridkv.errors import ConfigError
+from hybridkv.ids import GroupId
 
 
 def kv_bytes_per_token(num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -38,13 +39,86 @@ def _require_positive(field: str, value: int) -> None:
         raise ConfigError(field, value, "must be a positive integer")
 
 
+class KindFacts:
+    """What the rest of the package asks of a layer kind, stated once on its spec class
+    (class attributes and properties, never type tests elsewhere). The defaults here are
+    overridden where a kind differs; a new kind states its own facts and registers its
+    manager in ``hybridkv.managers.MANAGER_FOR_SPEC``.
+
+    >>> [(s.kind, s.is_full_attention, s.prefix_cacheable, s.vllm_kind) for s in
+    ...  (FullAttentionSpec(4, 1), RingBufferSpec(8, 4), RecurrentStateSpec(4, 8))]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [('full_attention', True, True, 'full_attention'), ('ring_buffer', False, False, 'unknown'),
+     ('recurrent_state', False, True, 'mamba')]
+    """
+
+    __slots__ = ()
+    kind: ClassVar[str]
+    vllm_kind: ClassVar[str] = "unknown"
+    """vLLM 0.33's ``KVCacheSpecKind`` value of the spec vLLM uses for this kind (KV events;
+    DeepSeek-V4's compressed KV is an ``MLAAttentionSpec``, its compressor state a
+    sliding-window MLA spec)."""
+    is_full_attention: ClassVar[bool] = False
+    """Reads the whole prefix: a hit at ``p`` needs every block before ``p`` (full and
+    compressed attention); such groups bound every hybrid hit."""
+    is_attention_window: ClassVar[bool] = False
+    """Sliding-window attention (``bounded-replay`` rebuilds it; not window-like state)."""
+    prefix_cacheable: ClassVar[bool] = True
+    """Takes part in prefix caching (vLLM's ``prefix_cacheable``): all but V4.1's ring."""
+    packs_block_outermost: ClassVar[bool] = False
+    """Planned with vLLM 0.33's block-outermost packing (``hybridkv.packing``)."""
+    flops_role: ClassVar[Literal["chain", "points"] | None] = None
+    """What ``flops`` eviction reads a group of this kind as: ``chain`` (full attention,
+    the chain its hit points lie on), ``points`` (recurrent checkpoints: the hit points);
+    ``None``: a model with such a group cannot use ``flops``."""
+
+    @property
+    def window_tokens(self) -> int | None:
+        """The sliding window ``w`` of a window kind (window-like state included);
+        ``None`` for every other kind."""
+        return None
+
+    @property
+    def num_tail_blocks(self) -> int:
+        """Contiguous blocks a hit at a block boundary needs in a window kind; 0 for the
+        kinds without a window."""
+        return 0
+
+    def packing_key(self) -> tuple[object, ...]:
+        """Layers with equal keys may share a block-outermost packed group: equal block
+        size and slot needs (the kind's tag first: ``full``, ``window``, ``chunked``,
+        ``ring``). ``ConfigError`` for a kind without a packing rule."""
+        raise ConfigError("layer_specs", type(self).__name__,
+                          "has no block-outermost packing rule")
+
+
 @dataclass(frozen=True, slots=True)
-class FullAttentionSpec:
+class FullAttentionSpec(KindFacts):
     """A layer that attends to every earlier token: a hit needs the whole prefix."""
 
     block_size: int
     kv_bytes_per_token: int
     kind: ClassVar[str] = "full_attention"
+    vllm_kind: ClassVar[str] = "full_attention"
+    is_full_attention: ClassVar[bool] = True
+    flops_role: ClassVar[Literal["chain", "points"] | None] = "chain"
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of one layer (before padding to the pool's page).
+
+        >>> FullAttentionSpec(block_size=16, kv_bytes_per_token=4096).page_bytes
+        65536
+        """
+        return self.block_size * self.kv_bytes_per_token
+
+    def packing_key(self) -> tuple[object, ...]:
+        """Full-attention kinds of one block size pack together, whatever their page.
+
+        >>> CompressedAttentionSpec(256, tokens_per_state=128, entry_bytes=584).packing_key()
+        ('full', 256)
+        """
+        return ("full", self.block_size)
 
     def __post_init__(self) -> None:
         _require_positive("block_size", self.block_size)
@@ -57,13 +131,26 @@ class FullAttentionSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class SlidingWindowSpec:
+class SlidingWindowSpec(KindFacts):
     """A layer whose token ``p`` attends to ``[p - (w - 1), p]`` (the window includes itself)."""
 
     block_size: int
     kv_bytes_per_token: int
     sliding_window: int
     kind: ClassVar[str] = "sliding_window"
+    vllm_kind: ClassVar[str] = "sliding_window"
+    is_attention_window: ClassVar[bool] = True
+
+    @property
+    def page_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
+
+    @property
+    def window_tokens(self) -> int | None:
+        return self.sliding_window
+
+    def packing_key(self) -> tuple[object, ...]:
+        return ("window", self.block_size, self.sliding_window)
 
     def __post_init__(self) -> None:
         _require_positive("block_size", self.block_size)
@@ -92,13 +179,21 @@ class SlidingWindowSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class ChunkedLocalSpec:
+class ChunkedLocalSpec(KindFacts):
     """A layer attending only within its chunk of ``attention_chunk_size`` tokens (Llama 4)."""
 
     block_size: int
     kv_bytes_per_token: int
     attention_chunk_size: int
     kind: ClassVar[str] = "chunked_local"
+    vllm_kind: ClassVar[str] = "chunked_local_attention"
+
+    @property
+    def page_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
+
+    def packing_key(self) -> tuple[object, ...]:
+        return ("chunked", self.block_size, self.attention_chunk_size)
 
     def __post_init__(self) -> None:
         _require_positive("block_size", self.block_size)
@@ -149,6 +244,8 @@ class CompressedAttentionSpec(FullAttentionSpec):
     page_alignment_bytes: int = 1
     role: Literal["kv", "indexer"] = "kv"
     kind: ClassVar[str] = "compressed_attention"
+    vllm_kind: ClassVar[str] = "mla_attention"
+    flops_role: ClassVar[Literal["chain", "points"] | None] = None
     packs_block_outermost: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
@@ -206,6 +303,7 @@ class SlidingWindowMLASpec(PaddedWindowSpec):
     """
 
     kind: ClassVar[str] = "sliding_window_mla"
+    vllm_kind: ClassVar[str] = "sliding_window_mla"
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,10 +319,12 @@ class CompressorStateSpec(PaddedWindowSpec):
     """
 
     kind: ClassVar[str] = "compressor_state"
+    vllm_kind: ClassVar[str] = "sliding_window_mla"
+    is_attention_window: ClassVar[bool] = False
 
 
 @dataclass(frozen=True, slots=True)
-class RingBufferSpec:
+class RingBufferSpec(KindFacts):
     """DeepSeek-V4.1 compressor state: one ring block per request (vLLM 0.33's
     ``CircularBufferSpec``) holding the raw rows of the token group being compressed.
     Never prefix-cached: a request claims its ring at admission and frees it at the end.
@@ -238,6 +338,7 @@ class RingBufferSpec:
     kv_bytes_per_token: int
     kind: ClassVar[str] = "ring_buffer"
     packs_block_outermost: ClassVar[bool] = True
+    prefix_cacheable: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         _require_positive("block_size", self.block_size)
@@ -247,6 +348,9 @@ class RingBufferSpec:
     def page_bytes(self) -> int:
         return self.block_size * self.kv_bytes_per_token
 
+    def packing_key(self) -> tuple[object, ...]:
+        return ("ring", self.block_size)
+
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """The ring is rewritten in place; nothing is released early."""
         del num_computed_tokens
@@ -254,7 +358,7 @@ class RingBufferSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class RecurrentStateSpec:
+class RecurrentStateSpec(KindFacts):
     """A layer with a fixed-size recurrent state (Mamba, Mamba-2 SSD, Gated DeltaNet, KDA).
 
     A prefix hit at token ``p`` needs the layer's state *exactly after* ``p`` tokens: one
@@ -278,6 +382,8 @@ class RecurrentStateSpec:
     block_size: int
     state_bytes: int
     kind: ClassVar[str] = "recurrent_state"
+    vllm_kind: ClassVar[str] = "mamba"
+    flops_role: ClassVar[Literal["chain", "points"] | None] = "points"
 
     def __post_init__(self) -> None:
         _require_positive("block_size", self.block_size)
@@ -299,29 +405,15 @@ LayerSpec = (FullAttentionSpec | SlidingWindowSpec | ChunkedLocalSpec | Recurren
 """Any layer spec (a "layer" is one cache of a model layer: a V4 layer has up to five)."""
 
 
-def page_bytes(spec: LayerSpec) -> int:
-    """Bytes of one block of one layer of ``spec`` (before padding to the pool's page):
-    ``block_size * kv_bytes_per_token``, or the spec's own page (a recurrent checkpoint,
-    the padded pages of the DeepSeek-V4 kinds).
+@dataclass(frozen=True, slots=True)
+class CacheGroup:
+    """Layers that share one block table; ``layer_ids`` may be shorter than the group size
+    for the last group of a type (vLLM pads it; the padding still costs memory)."""
 
-    >>> page_bytes(FullAttentionSpec(block_size=16, kv_bytes_per_token=4096))
-    65536
-    >>> page_bytes(RecurrentStateSpec(block_size=16, state_bytes=1000))
-    1000
-    >>> page_bytes(SlidingWindowMLASpec(64, 584, 128, page_alignment_bytes=576))  # 64 * 584
-    37440
-    """
-    if isinstance(spec, (RecurrentStateSpec, CompressedAttentionSpec, SlidingWindowMLASpec,
-                         CompressorStateSpec, RingBufferSpec)):
-        return spec.page_bytes
-    return spec.block_size * spec.kv_bytes_per_token
-
-
-def is_prefix_cacheable(spec: LayerSpec) -> bool:
-    """Whether a group of this spec takes part in prefix caching (vLLM's
-    ``prefix_cacheable``): every kind but V4.1's ring buffer.
-
-    >>> is_prefix_cacheable(RingBufferSpec(8, 4)), is_prefix_cacheable(FullAttentionSpec(4, 4))
-    (False, True)
-    """
-    return not isinstance(spec, RingBufferSpec)
+    group_id: GroupId
+    spec: LayerSpec
+    layer_ids: tuple[int, ...]
+    layer_specs: tuple[LayerSpec, ...] = ()
+    """Per-member specs of a block-outermost packed group (``hybridkv.packing``): members
+    share ``spec``'s kind and block size but may differ in page bytes. Empty: every member
+    is ``spec`` (uniform-page planning)."""

@@ -20,11 +20,14 @@ GroupUsage(group_id=0, kind='full_attention', held_blocks=0, cached_blocks=2, ca
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from hybridkv.block import Block
 from hybridkv.ids import BlockHash, ReqId
+from hybridkv.managers.base import GroupManager
+from hybridkv.pool import BlockPool
+from hybridkv.specs import CacheGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +96,35 @@ class CacheSnapshot:
     free_queue: tuple[int, ...]
     cached_blocks: tuple[CachedBlock, ...]
     groups: tuple[GroupUsage, ...]
+
+
+def take_snapshot(pool: BlockPool, groups: Sequence[CacheGroup],
+                  managers: Sequence[GroupManager]) -> CacheSnapshot:
+    """``KVCacheManager.snapshot``: the pool's cached blocks and free-queue order, and per
+    group its held, cached and cached-free blocks (``managers``: one per group, in group
+    order). O(pool)."""
+    queue_names = ("dead", "free", "protected", "session", "pinned")
+    cached: list[CachedBlock] = []
+    cached_by_group = [0] * len(groups)
+    cached_free_by_group = [0] * len(groups)
+    for block in pool.blocks:
+        if block.block_hash is None or block.hash_group_id is None:
+            continue
+        group_id = block.hash_group_id
+        queue = None if block.queue_id is None else queue_names[block.queue_id]
+        cached.append(CachedBlock(block.block_id, group_id, block.block_hash,
+                                  block.ref_count, queue))
+        cached_by_group[group_id] += 1
+        if block.ref_count == 0:
+            cached_free_by_group[group_id] += 1
+    usage = tuple(
+        GroupUsage(group.group_id, group.spec.kind,
+                   len({b.block_id for table in manager.tables.values()
+                        for b in table if not b.is_null}),
+                   cached_by_group[group.group_id], cached_free_by_group[group.group_id])
+        for group, manager in zip(groups, managers, strict=True))
+    return CacheSnapshot(pool.epoch, pool.num_blocks, pool.num_free_blocks,
+                         tuple(pool.free_queue_order()), tuple(cached), usage)
 
 
 class GroupTables(Mapping[ReqId, tuple[int, ...]]):

@@ -158,11 +158,12 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> Outcome:
 
 def assert_clean_failure(outcome: Outcome, code: int, fragment: str) -> None:
     """Exit ``code``, exactly one line on stderr containing ``fragment``, no traceback."""
-    assert "Traceback" not in outcome.stderr + outcome.stdout, outcome.stderr
+    assert "Traceback" not in outcome.stderr + outcome.stdout, \
+        f"a traceback:\n{outcome.stderr}"
     lines = outcome.stderr.strip().splitlines()
     assert len(lines) == 1, f"stderr is {len(lines)} lines:\n{outcome.stderr}"
-    assert fragment.lower() in lines[0].lower(), lines[0]
-    assert outcome.code == code, (outcome.code, lines[0])
+    assert fragment.lower() in lines[0].lower(), f"no {fragment!r} in: {lines[0]}"
+    assert outcome.code == code, f"exit {outcome.code}, expected {code}: {lines[0]}"
 
 
 def assert_nothing_written(folder: Path) -> None:
@@ -341,6 +342,10 @@ PROBES: list[tuple[str, list[str], int, str]] = [
      "request 'mooncake-0'"),
     ("pool-long-prompt", ["replay", "--trace", "{d}/long-prompt.jsonl", "--quiet"], 2,
      "request 'mooncake-0'"),
+    ("pool-too-small-names-trace", ["replay", "--trace", "{d}/long-prompt.jsonl",
+                                    "--quiet"], 2, "long-prompt.jsonl' needs at least"),
+    ("pool-too-small-names-workload", [*REPLAY, "--num-blocks", "2"], 2,
+     "of workload 'aba' needs at least"),
     ("pool-blocks-ram", [*REPLAY, "--num-blocks", "1000000000000"], 2, "of host memory"),
     ("pool-bytes-ram", [*REPLAY, "--kv-memory", "1000TiB"], 2, "--kv-memory='1000TiB'"),
     ("pool-jobs-ram", [*REPLAY, "--num-blocks", "20000000000", "--jobs", "8"], 2,
@@ -387,7 +392,6 @@ PROBES: list[tuple[str, list[str], int, str]] = [
     ("sweep-memory-bad", [*SWEEP, "--kv-memory", "1GiB,lots"], 2, "--kv-memory"),
     ("sweep-blocks-ram", [*SWEEP, "--num-blocks", "1000000000000"], 2, "of host memory"),
     ("sweep-policy-typo", [*SWEEP, "--num-blocks", "200", "--policy", "pin:x"], 2, "pin"),
-    ("sweep-all-too-small", [*SWEEP, "--num-blocks", "2,3"], 2, "nothing written"),
     # -- verify (option checks run before torch is needed)
     ("verify-atol-nan", ["verify", "--atol", "nan"], 2, "--atol"),
     ("verify-atol-neg", ["verify", "--atol", "-1"], 2, "--atol"),
@@ -419,19 +423,20 @@ def test_probe(argv: list[str], code: int, fragment: str, inputs: Path, out: Pat
 def test_the_probe_checks_can_fail() -> None:
     """The checker rejects a traceback, a second line, a wrong code and a leftover file."""
     traceback = Outcome(1, "", "Traceback (most recent call last):\n  ...\nValueError: x\n")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="a traceback"):
         assert_clean_failure(traceback, 1, "ValueError")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="stderr is 2 lines"):
         assert_clean_failure(Outcome(2, "", "usage: hybridkv\nhybridkv: error: x\n"), 2, "x")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="exit 1, expected 2"):
         assert_clean_failure(Outcome(1, "", "hybridkv: error: x\n"), 2, "x")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="no 'other' in"):
         assert_clean_failure(Outcome(2, "", "hybridkv: error: x\n"), 2, "other")
+    assert_clean_failure(Outcome(2, "", "hybridkv: error: x\n"), 2, "x")  # the control
 
 
 def test_the_nothing_written_check_can_fail(out: Path) -> None:
     (out / ".hybridkv-leftover.tmp").write_text("")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="left behind"):
         assert_nothing_written(out)
 
 
@@ -538,17 +543,38 @@ def test_microbench_fraction_lists_parse(inputs: Path, out: Path,
         assert list(doc["runs"][0]["fractions"]) == keys
 
 
-def test_sweep_keeps_finished_cells_when_a_pool_size_fails(
+def test_sweep_reports_too_small_pools_as_cell_results(
         inputs: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    outcome = run_cli(_argv([*SWEEP, "--num-blocks", "2,200"], inputs, out), capsys)
-    assert_clean_failure(outcome, 2, "1 of 2 cells failed (pool sizes tiny-hybrid: 2)")
-    assert "the 1 finished cells are in" in outcome.stderr
+    """A pool too small for the trace is a result of the sweep (exit 0), in the table,
+    the CSV, the JSON and the plot; the same pool in a single replay is an error."""
+    outcome = run_cli(_argv([*SWEEP, "--num-blocks", "2,200", "--json", "{out}/s.json"],
+                            inputs, out), capsys)
+    assert outcome.code == 0, outcome.stderr
+    assert outcome.stderr == ""
     rows = (out / "s.csv").read_text().splitlines()
-    assert rows[0].startswith("trace,model,num_blocks")
-    assert rows[1].startswith("aba,tiny-hybrid,200,")
-    assert len(rows) == 2
+    assert rows[0].startswith("trace,model,num_blocks,kv_memory,pool_bytes,policy,admission,"
+                              "status,min_num_blocks,hit_rate,")
+    assert rows[1].startswith("aba,tiny-hybrid,2,,4096,latest,fcfs,too small,6,,")
+    assert rows[2].startswith("aba,tiny-hybrid,200,,409600,latest,fcfs,ok,,")
+    assert len(rows) == 3
+    cells = json.loads((out / "s.json").read_text())["cells"]
+    assert [(c["num_blocks"], c["status"], c["min_num_blocks"], c["hit_rate"] is None)
+            for c in cells] == [(2, "too small", 6, True), (200, "ok", None, False)]
     assert (out / "s.png").stat().st_size > 0
-    assert "failed" in outcome.stdout and "aba on tiny-hybrid" in outcome.stdout
+    table = outcome.stdout
+    assert "too small" in table and "needs ≥ 6" in table
+    assert "2 cells: 2 computed, 0 resumed, 1 too small" in table
+    single = run_cli(_argv([*REPLAY, "--num-blocks", "2"], inputs, out), capsys)
+    assert_clean_failure(single, 2, "raise --num-blocks (or --kv-memory) to at least 6")
+
+
+def test_sweep_of_only_too_small_pools_exits_0(inputs: Path, out: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    outcome = run_cli(_argv([*SWEEP, "--num-blocks", "2,3"], inputs, out), capsys)
+    assert outcome.code == 0, outcome.stderr
+    rows = (out / "s.csv").read_text().splitlines()[1:]
+    assert [row.split(",")[7:9] for row in rows] == [["too small", "6"]] * 2
+    assert outcome.stdout.count("too small") >= 2
 
 
 def test_sweep_prints_its_table(inputs: Path, out: Path,

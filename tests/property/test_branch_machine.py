@@ -99,6 +99,7 @@ class BranchMachine(base.ManagerMachine):
                 f"{req_id}: copy-on-write from block {copy.src_block_id} holding {got}")
             assert copy.num_tokens == start
             self.content[copy.dst_block_id] = (copy.group_id, tuple(tokens[:start]))
+            self.forget_old_life(copy.dst_block_id)
             if self.is_full(copy.group_id):
                 drafter = self.drafter_at(copy.src_block_id, got, start)
                 assert drafter == tuple(tokens[start : start + self.lookahead]), (
@@ -131,9 +132,17 @@ class BranchMachine(base.ManagerMachine):
             assert got == (copy.group_id, tuple(tokens[:end])), (
                 f"{req_id}: snapshot at {end} copies block {copy.src_block_id} holding {got}")
             self.content[copy.dst_block_id] = got
+            self.forget_old_life(copy.dst_block_id)
             if self.is_full(copy.group_id):
                 self.partial_next[copy.dst_block_id] = self.partial_next.get(copy.src_block_id)
             event("branch snapshot")
+
+    def forget_old_life(self, block_id: int) -> None:
+        """A copy destination (copy-on-write hit or snapshot) is a block reused from the
+        free queue, not one reported in ``new_block_ids``: the drafter record of its last
+        slot from its previous life no longer holds (kept, it made a later hit through the
+        block look like it saw another token — a false alarm, 2026-11-28)."""
+        self.drafter_next[block_id] = None
 
     def check_hit(self, req_id: str, hit: PrefixHit) -> None:
         p = hit.num_tokens
@@ -150,9 +159,8 @@ class BranchMachine(base.ManagerMachine):
             got = self.content.get(snapshot.block_id)
             if self.is_full(group_id) and got != (group_id, tuple(tokens[:p])):
                 event("hit through a full-attention alias")
-            assert self.serves(got, group_id, tokens, p), (
-                f"group {group_id}: snapshot {snapshot.block_id} holds {got}, the hit at "
-                f"{p} needs {tokens[:p]}")
+            assert self.serves(got, group_id, tokens, p), \
+                self.unserved(got, group_id, tokens, p, snapshot.block_id)
             if self.is_full(group_id):
                 drafter = self.drafter_at(snapshot.block_id, got, p)
                 assert drafter == tuple(tokens[p : p + self.lookahead]), (
@@ -184,6 +192,20 @@ class BranchMachine(base.ManagerMachine):
         bs = self.specs[group_id].block_size
         held = got[1]
         return len(held) == (p // bs + 1) * bs and tuple(held[:p]) == tuple(tokens[:p])
+
+    def unserved(self, got: object, group_id: int, tokens: Sequence[int], p: int,
+                 block_id: int) -> str:
+        """Why a block holding ``got`` does not serve the hit at ``p`` (the failure line):
+        a full-attention alias of the wrong block of its prompt, or any other content."""
+        bs = self.specs[group_id].block_size
+        if self.is_full(group_id) and isinstance(got, tuple) and got[0] == group_id \
+                and len(got[1]) > p and len(got[1]) % bs == 0:
+            agrees = tuple(got[1][:p]) == tuple(tokens[:p])
+            return (f"group {group_id}: alias {block_id} is block {len(got[1]) // bs - 1} of "
+                    f"a prompt that {'agrees' if agrees else 'disagrees'} on [0, {p}); the "
+                    f"hit at {p} needs block {p // bs}")
+        return (f"group {group_id}: snapshot {block_id} holds {got}, the hit at {p} needs "
+                f"{tuple(tokens[:p])}")
 
     def drafter_at(self, block_id: int, got: object, p: int) -> tuple[int, ...] | None:
         """The tokens the drafter KV of slot ``p - 1`` of a full-attention source block
@@ -303,9 +325,20 @@ TestEagleBranchMachine = EagleBranchMachine.TestCase
 TestEagleBranchMachine.settings = settings(stateful_step_count=200, max_examples=40)
 
 
+CONTENT_CHECKS = (r"snapshot \d+ holds .*, the hit at \d+ needs|hit block \d+ at index \d+ holds"
+                  r"|snapshot at \d+ copies block \d+ holding|copy-on-write from block \d+ holding"
+                  r"|alias \d+ is block \d+ of a prompt")
+"""The oracle's content checks (what a hit or a copy hands out is not the prefix it
+stands for) — and not the drafter check, the maximality check or an invariant: a content
+sabotage in a random run must be caught by one of these. Which one depends on the
+example that meets the sabotage first (a shifted snapshot key may even land on a block
+boundary, and then the aligned hit check sees it); each sabotage also has a scripted
+scenario where exactly one check, with its own message, must fire."""
+
+
 def _sabotaged_run(monkeypatch: pytest.MonkeyPatch, target: object, name: str,
-                   replacement: object, machine: type[BranchMachine] = BranchMachine,
-                   match: str | None = None) -> None:
+                   replacement: object, *, match: str,
+                   machine: type[BranchMachine] = BranchMachine) -> None:
     """Run the machine with a sabotage; every setup snapshots at the first divergence
     (the sabotages hit the snapshot and copy machinery, not the branch-point rule)."""
     monkeypatch.setattr(BranchSnapshots, "min_divergences", 1)
@@ -317,7 +350,7 @@ def _sabotaged_run(monkeypatch: pytest.MonkeyPatch, target: object, name: str,
 
 
 def test_a_snapshot_of_the_wrong_position_is_caught(monkeypatch: pytest.MonkeyPatch,
-                                                   pure_python: None) -> None:
+                                                   pure_python: None, no_events: None) -> None:
     """Sabotage: snapshots keyed one unit early (the state after ``p`` handed out as the
     state after ``p - U``). The content oracle must fail the run."""
     original = BranchSnapshots.take_snapshot
@@ -342,11 +375,18 @@ def test_a_snapshot_of_the_wrong_position_is_caught(monkeypatch: pytest.MonkeyPa
                             junction_tokens)
 
     monkeypatch.setattr(HybridCoordinator, "_snapshot_branch_point", remember)
-    _sabotaged_run(monkeypatch, BranchSnapshots, "take_snapshot", shifted)
+    monkeypatch.setattr(BranchSnapshots, "take_snapshot", shifted)
+    with pytest.raises(AssertionError, match=(  # the snapshot at 12 is found at 10
+            r"group 0: snapshot \d+ holds \(0, \(1, 2, 0, 1, 2, 0, 2, 2, 1, 0, 1, 1\)\), "
+            r"the hit at 10 needs")):
+        _drive_copy(BranchMachine())
+    shifted.hashes.clear()  # type: ignore[attr-defined]
+    _sabotaged_run(monkeypatch, BranchSnapshots, "take_snapshot", shifted,
+                   match=CONTENT_CHECKS)
 
 
 def test_a_copy_from_the_wrong_block_is_caught(monkeypatch: pytest.MonkeyPatch,
-                                               pure_python: None) -> None:
+                                               pure_python: None, no_events: None) -> None:
     """Sabotage: the full-attention snapshot copies the block before the one holding
     ``[p // bs * bs, p)``."""
     real = HybridCoordinator._snapshot_branch_point
@@ -365,7 +405,12 @@ def test_a_copy_from_the_wrong_block_is_caught(monkeypatch: pytest.MonkeyPatch,
             return
         real(self, req_id, hashes, num_tokens, num_prompt_tokens, junction_tokens)
 
-    _sabotaged_run(monkeypatch, HybridCoordinator, "_snapshot_branch_point", wrong_source)
+    monkeypatch.setattr(HybridCoordinator, "_snapshot_branch_point", wrong_source)
+    with pytest.raises(AssertionError, match=(  # c's block 0 copied instead of its block 1
+            r"c: snapshot at 12 copies block \d+ holding \(0, \(1, 2, 0, 1, 2, 0, 2, 2\)\)")):
+        _drive_copy(BranchMachine())
+    _sabotaged_run(monkeypatch, HybridCoordinator, "_snapshot_branch_point", wrong_source,
+                   match=CONTENT_CHECKS)
 
 
 @pytest.fixture
@@ -376,22 +421,18 @@ def no_events(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(globals(), "event", lambda *args, **kwargs: None)
 
 
-def _drive_eagle_divergence(machine: EagleBranchMachine) -> None:
-    """Through the machine's own rules and oracle (invariants after each): ``a`` and ``b``
-    share a 12-token prefix ``S`` and diverge at token 12, so the branch point is 10 (the unit
-    ``[10, 12)`` is hashed with token 12); ``c`` leaves there as well, its first chunk stops
-    at 10 and leaves a snapshot (a second prompt leaving a branch point takes it); ``e``
-    shares ``[0, 10)`` but diverges at token 10."""
-    machine.init_manager(HybridSetup((FullAttentionSpec(8, 1), RecurrentStateSpec(8, 1)), 64,
-                                     "latest+ckpt:branch:2", True, None))
-    system = [1, 2, 0, 1, 2, 0, 2, 2, 1, 0, 1, 1]
+def _serve_one_by_one(machine: BranchMachine, setup: HybridSetup,
+                      prompts: Sequence[tuple[str, list[int]]]) -> None:
+    """Through the machine's own rules and oracle (invariants after each): each prompt is
+    admitted alone, prefilled in the chunks ``align_prefill_chunk`` plans, and finished."""
+    machine.init_manager(setup)
 
     def check() -> None:
         machine.manager_invariants()
         machine.snapshot_agrees_with_the_pool()
         machine.tables_hold_the_right_content()
 
-    def serve(req_id: str, tokens: list[int]) -> None:
+    for req_id, tokens in prompts:
         machine.manager.add_request(req_id, tokens)
         machine.prompt_len[req_id] = len(tokens)
         machine.new_step()
@@ -407,10 +448,55 @@ def _drive_eagle_divergence(machine: EagleBranchMachine) -> None:
         machine.new_step()
         machine.preempt_or_finish(0, True)  # finished: the next request runs alone
 
-    serve("a", [*system, 0, 0, 0])
-    serve("b", [*system, 2, 2])     # leaves a's prompt at the branch point 10
-    serve("c", [*system, 1, 1])     # leaves there too: its first chunk ends at 10, snapshot
-    serve("e", [*system[:10], 2, 2, 2])
+
+SYSTEM = [1, 2, 0, 1, 2, 0, 2, 2, 1, 0, 1, 1]
+"""A 12-token shared prefix."""
+
+
+def _drive_eagle_divergence(machine: EagleBranchMachine) -> None:
+    """``a`` and ``b`` share a 12-token prefix ``S`` and diverge at token 12, so the branch
+    point is 10 (the unit ``[10, 12)`` is hashed with token 12); ``c`` leaves there as
+    well, its first chunk stops at 10 and leaves a snapshot (a second prompt leaving a
+    branch point takes it); ``e`` shares ``[0, 10)`` but diverges at token 10."""
+    _serve_one_by_one(machine, HybridSetup(
+        (FullAttentionSpec(8, 1), RecurrentStateSpec(8, 1)), 64, "latest+ckpt:branch:2",
+        True, None), [
+        ("a", [*SYSTEM, 0, 0, 0]),
+        ("b", [*SYSTEM, 2, 2]),      # leaves a's prompt at the branch point 10
+        ("c", [*SYSTEM, 1, 1]),      # leaves there too: its first chunk ends at 10, snapshot
+        ("e", [*SYSTEM[:10], 2, 2, 2]),
+    ])
+
+
+def _drive_copy(machine: BranchMachine) -> None:
+    """No EAGLE, block 8, unit 2: ``a`` and ``b`` diverge at 12 (a branch point inside
+    block 1); ``c`` leaves there too, its first chunk ends at 12 and it takes the snapshot
+    — a *copy* of its partial block 1 (its prompt ends at 14). ``e`` agrees with them on
+    ``[0, 10)`` only: its hit is the aligned 8."""
+    _serve_one_by_one(machine, HybridSetup(
+        (FullAttentionSpec(8, 1), RecurrentStateSpec(8, 1)), 64, "latest+ckpt:branch:2",
+        False, None), [
+        ("a", [*SYSTEM, 0, 0, 0]),
+        ("b", [*SYSTEM, 2, 2]),
+        ("c", [*SYSTEM, 1, 1]),
+        ("e", [*SYSTEM[:10], 2, 2, 2]),
+    ])
+
+
+def _drive_alias(machine: BranchMachine) -> None:
+    """No EAGLE, block 8, unit 2: ``a`` and ``b`` diverge at 12 (a branch point inside
+    block 1); ``c`` leaves there too and its first chunk ends at 12, so it takes the
+    snapshot — and, running on past 24, its full-attention part is an *alias* of its own
+    full block 1 (cached under its own hash), not a copy. ``e`` agrees with ``c`` on
+    ``[0, 12)`` only: its hit at 12 is served by that alias."""
+    _serve_one_by_one(machine, HybridSetup(
+        (FullAttentionSpec(8, 1), RecurrentStateSpec(8, 1)), 64, "latest+ckpt:branch:2",
+        False, None), [
+        ("a", [*SYSTEM, *[0] * 14]),
+        ("b", [*SYSTEM, *[2] * 14]),
+        ("c", [*SYSTEM, *[1] * 14]),
+        ("e", [*SYSTEM, 2, 0, 0]),
+    ])
 
 
 def test_the_eagle_scenario_passes_the_oracle(no_events: None) -> None:
@@ -419,6 +505,31 @@ def test_the_eagle_scenario_passes_the_oracle(no_events: None) -> None:
     assert machine.manager.coordinator.branch is not None
     assert machine.manager.coordinator.branch.num_snapshots == 1  # c's, at 10
     assert machine.hit_at_admission["e"] == 8  # not 10: e's token 10 differs from c's
+    machine.teardown()
+
+
+def test_the_copy_scenario_passes_the_oracle(no_events: None) -> None:
+    machine = BranchMachine()
+    _drive_copy(machine)
+    assert machine.hit_at_admission["e"] == 8
+    branch = machine.manager.coordinator.branch
+    assert branch is not None and branch.num_snapshots == 1  # c's, at 12
+    hashes = machine.hasher.hash_blocks([*SYSTEM, 1, 1])
+    copy = branch.full_source(hashes[12 // 2 - 1], GroupId(0))
+    assert copy is not None and machine.content.get(copy.block_id) == (0, tuple(SYSTEM))
+    machine.teardown()
+
+
+def test_the_alias_scenario_passes_the_oracle(no_events: None) -> None:
+    machine = BranchMachine()
+    _drive_alias(machine)
+    assert machine.hit_at_admission["e"] == 12
+    branch = machine.manager.coordinator.branch
+    assert branch is not None and branch.num_snapshots == 1  # c's, at 12
+    hashes = machine.hasher.hash_blocks([*SYSTEM, 2, 0, 0])
+    alias = branch.full_source(hashes[12 // 2 - 1], GroupId(0))
+    assert alias is not None  # served by c's full block 1, not by a copy
+    assert machine.content.get(alias.block_id) == (0, tuple([*SYSTEM, 1, 1, 1, 1]))
     machine.teardown()
 
 
@@ -471,9 +582,12 @@ def test_sub_block_hits_ignoring_the_lookahead_are_caught(monkeypatch: pytest.Mo
 
 
 def test_an_alias_of_the_wrong_block_is_caught(monkeypatch: pytest.MonkeyPatch,
-                                             pure_python: None) -> None:
+                                             pure_python: None, no_events: None) -> None:
     """Sabotage: the full-attention alias names block ``k + 1`` of the producer (its
-    KV holds a longer prefix, but not in the slots ``[k * bs, p)``)."""
+    KV holds a longer prefix, but not in the slots ``[k * bs, p)``). Driven through the
+    alias scenario, where ``e``'s hit at 12 is served by ``c``'s alias: the random machine
+    caught this sabotage only in some example orders (and, before the oracle's
+    ``forget_old_life``, sometimes only through a false drafter alarm)."""
     original = BranchSnapshots.take_snapshot
     next_block: dict[BlockHash, BlockHash] = {}
 
@@ -498,4 +612,8 @@ def test_an_alias_of_the_wrong_block_is_caught(monkeypatch: pytest.MonkeyPatch,
                             junction_tokens)
 
     monkeypatch.setattr(HybridCoordinator, "_snapshot_branch_point", remember)
-    _sabotaged_run(monkeypatch, BranchSnapshots, "take_snapshot", wrong_alias)
+    monkeypatch.setattr(BranchSnapshots, "take_snapshot", wrong_alias)
+    with pytest.raises(AssertionError, match=(
+            r"group 0: alias \d+ is block 2 of a prompt that agrees on \[0, 12\); the hit "
+            r"at 12 needs block 1")):
+        _drive_alias(BranchMachine())

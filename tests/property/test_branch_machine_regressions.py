@@ -1,14 +1,15 @@
 """A failing example of ``TestEagleBranchMachine`` found on 2026-11-28 (session 5) by a
-landing gate's random search, kept as a strict xfail until it is fixed: it must keep
-failing with the oracle's drafter-KV check, and the day a fix makes it pass, strict xfail
-turns it into a failure so that the marker is removed.
+landing gate's random search, kept as a regression test. It was the *oracle's* bug: a block
+reused as the destination of a branch copy kept the drafter record of its previous life
+(``BranchMachine.forget_old_life`` now resets it), so a later hit through it looked as if
+its drafter KV had seen another next token.
 
 Setup: full attention + two recurrent groups, block 4, ``prepend+scan+flops+ckpt:branch:1``
 with EAGLE lookahead hashes. After ~200 steps with several ``reset_prefix_cache`` calls (the
 invariant checks between steps are left out: they only read), an admission hits
 full-attention block 14, whose drafter KV was written before token 2, while the request
-continues with 0. The same example fails on the session-3 code (``2647e3d``), so it
-predates session 5. Not shrunk (Hypothesis gave up shrinking it).
+continues with 0 — by the stale record; the KV the manager handed out was right. Not
+shrunk (Hypothesis gave up shrinking it).
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ from test_branch_machine import EagleBranchMachine
 from hybridkv import FullAttentionSpec, RecurrentStateSpec
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="known bug (2026-11-28): an EAGLE ckpt:branch hit on a block whose "
-                          "drafter KV saw another next token")
 def test_eagle_branch_hit_after_resets_sees_the_right_drafter_kv(
         monkeypatch: pytest.MonkeyPatch) -> None:
     for module in (test_branch_machine, test_manager_state_machine):  # replayed outside

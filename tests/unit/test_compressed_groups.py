@@ -16,7 +16,6 @@ from hybridkv.specs import (
     FullAttentionSpec,
     RingBufferSpec,
     SlidingWindowMLASpec,
-    page_bytes,
 )
 
 
@@ -29,10 +28,10 @@ def test_v4_page_bytes_match_vllm_0_33() -> None:
     idx = CompressedAttentionSpec(256, tokens_per_state=4, entry_bytes=132,
                                   page_alignment_bytes=576, role="indexer")
     swa = SlidingWindowMLASpec(64, 584, 128, page_alignment_bytes=576)
-    assert [page_bytes(s) for s in (c4, c128, idx, swa)] == [37440, 1728, 8640, 37440]
-    assert page_bytes(CompressorStateSpec(4, 8192, 8, page_alignment_bytes=576)) == 32832
-    assert page_bytes(CompressorStateSpec(8, 4096, 128, page_alignment_bytes=576)) == 32832
-    assert page_bytes(CompressorStateSpec(4, 2048, 8, page_alignment_bytes=576)) == 8640
+    assert [s.page_bytes for s in (c4, c128, idx, swa)] == [37440, 1728, 8640, 37440]
+    assert CompressorStateSpec(4, 8192, 8, page_alignment_bytes=576).page_bytes == 32832
+    assert CompressorStateSpec(8, 4096, 128, page_alignment_bytes=576).page_bytes == 32832
+    assert CompressorStateSpec(4, 2048, 8, page_alignment_bytes=576).page_bytes == 8640
     assert c4 not in (idx, c128)  # distinct specs, but one packing bucket
 
 
@@ -127,7 +126,7 @@ kv_bytes_per_token = 7
     shape = parse_model(text)
     assert [s.kind for s in shape.layers] == ["sliding_window_mla", "compressed_attention",
                                               "compressor_state"] * 2
-    assert page_bytes(shape.layers[1]) == 16  # 2 entries * 5 = 10 → 16
+    assert shape.layers[1].page_bytes == 16  # 2 entries * 5 = 10 → 16
     with pytest.raises(ConfigError, match="tokens_per_state"):
         parse_model(text.replace("tokens_per_state = 4", "tokens_per_state = 3"))
     with pytest.raises(ConfigError, match="role"):

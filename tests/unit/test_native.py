@@ -225,3 +225,44 @@ def test_check_sees_the_compiled_set_as_the_isolated_build_does(tmp_path: Path) 
     passed, output = check(package)
     assert not passed
     assert "pool.py" in output and "[no-any-return]" in output, output
+
+
+def _installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The package as a wheel installs it: ``site-packages/hybridkv`` (no checkout)."""
+    monkeypatch.delenv(native.PURE_ENV, raising=False)
+    monkeypatch.delenv(native.DIR_ENV, raising=False)
+    package = tmp_path / "site-packages" / "hybridkv"
+    shutil.copytree(PACKAGE_DIR, package, ignore=shutil.ignore_patterns(
+        "__pycache__", native.SHIPPED_DIR))
+    assert native.native_root(package) is None
+    return package
+
+
+def test_an_installed_wheel_selects_its_own_build_while_the_sources_match(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = _installed(tmp_path, monkeypatch)
+    fingerprint = native.fingerprint_of(native.source_files(package))
+    shipped = _fake_build(tmp_path / "staged", fingerprint)
+    shipped.rename(package / native.SHIPPED_DIR)
+    chosen = native.decide(package)
+    assert (chosen.mode, chosen.build_dir, chosen.notice) == (
+        "compiled", package / native.SHIPPED_DIR, None)
+    pool = package / "pool.py"
+    pool.write_text(pool.read_text() + "\nEDITED_AFTER_INSTALL = 1\n")
+    chosen = native.decide(package)
+    assert (chosen.mode, chosen.build_dir) == ("pure", None)
+    assert chosen.notice is not None and "built from other sources" in chosen.notice
+
+
+def test_a_wheel_built_without_a_compiler_is_pure_with_its_reason(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = _installed(tmp_path, monkeypatch)
+    assert native.decide(package).reason.startswith("no compiled build")
+    assert native.decide(package).notice is None
+    (package / native.SHIPPED_DIR).mkdir()
+    (package / native.SHIPPED_DIR / native.STATUS).write_text("no C compiler found\n")
+    chosen = native.decide(package)
+    assert (chosen.mode, chosen.reason) == ("pure", "no C compiler found")
+    assert chosen.notice == (
+        "hybridkv: this wheel has no compiled core (no C compiler found); "
+        "using the pure-Python core")

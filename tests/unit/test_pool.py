@@ -172,11 +172,17 @@ def test_epoch_changes_on_every_mutation() -> None:
     assert start < after_allocate < after_touch < pool.epoch
 
 
-@pytest.mark.parametrize("corruption", [
-    "ref_count", "free_membership", "pinned_flag", "hash_group", "unindexed_hash",
-    "null_hashed", "stale_index",
+@pytest.mark.parametrize(("corruption", "message"), [
+    ("ref_count", "ref_count 2 but 1 holders"),
+    ("free_membership", "free-queue membership 1"),
+    ("pinned_flag", "queue_id 4 but linked in 1"),
+    ("hash_group", "hash without group or group without hash"),
+    ("unindexed_hash", r"hashed but not indexed: \[2\]"),
+    ("null_hashed", "the null block was hashed"),
+    ("stale_index", r"index entry points to Block\(2,"),
 ])
-def test_check_invariants_detects_each_corruption(corruption: str) -> None:
+def test_check_invariants_detects_each_corruption(corruption: str, message: str) -> None:
+    """Each planted corruption is caught by its own check (``message``)."""
     pool = BlockPool(5, 1)
     b1, b2 = pool.allocate(2)
     pool.cache_block(b1, h("a"), G0)
@@ -199,7 +205,7 @@ def test_check_invariants_detects_each_corruption(corruption: str) -> None:
         pool.null_block.block_hash = h("n")
     elif corruption == "stale_index":
         pool._index[0][h("zzz")] = b2
-    with pytest.raises(InvariantViolation):
+    with pytest.raises(InvariantViolation, match=message):
         pool.check_invariants(holders)
 
 

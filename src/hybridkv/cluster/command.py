@@ -27,7 +27,7 @@ from hybridkv.cluster.simulate import (
 )
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
-from hybridkv.policies import make_retention_policy, split_policy_name
+from hybridkv.policies import PolicySpec
 from hybridkv.sim.admission import parse_admissions
 from hybridkv.sim.commands import (
     DEFAULT_MODEL,
@@ -138,7 +138,7 @@ def cmd_cluster(args: argparse.Namespace, console: Console, err_console: Console
                               num_processes=args.instances)
     config = make_config(shape, num_blocks, args, replay_settings)
     policy = _single_policy(args.policy, source)
-    make_retention_policy(split_policy_name(policy)[0]).validate(config.alignment_tokens, True)
+    PolicySpec.parse(policy).retention_policy().validate(config.alignment_tokens, True)
     admissions = parse_admissions(args.admission)
     if len(admissions) != 1:
         raise ConfigError("--admission", args.admission, "a cluster replay runs one "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -40,6 +41,10 @@ RECOMPILE_LIMIT = 64
 """Compiled variants allowed (one per shape bucket and rule); past it dynamo would fall
 back to the unfused kernel, which materialises the whole score matrix, so we raise
 instead (where this torch has the switch)."""
+
+
+MASK_CACHE_ENTRIES = 64
+"""Block masks kept (more than the chunks of one step: ``max_running`` is 16 by default)."""
 
 
 def _compile_limits() -> contextlib.AbstractContextManager[object]:
@@ -95,8 +100,10 @@ class FlexAttention:
         self.long_full_backends = list(long_full_backends)
         kernel = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
         self._kernel = cast(Callable[..., torch.Tensor], kernel)
-        self._mask_key: tuple[object, ...] | None = None
-        self._mask: BlockMask | None = None
+        self._masks: OrderedDict[tuple[object, ...], BlockMask] = OrderedDict()
+        """Recent block masks by layout and rule, least recently used first: a step's
+        chunks alternate inside every layer, so each chunk's mask is built once per step
+        (by the first local layer) instead of once per layer and chunk."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int,
                  kv_start: int, rule: AttentionRule, scale: float) -> torch.Tensor:
@@ -136,10 +143,14 @@ class FlexAttention:
     def _block_mask(self, layout: _Layout, rule: AttentionRule,
                     device: torch.device) -> BlockMask:
         key = (layout, rule, device)
-        if self._mask_key == key and self._mask is not None:
-            return self._mask
+        mask = self._masks.get(key)
+        if mask is not None:
+            self._masks.move_to_end(key)
+            return mask
         mask = _band_block_mask(layout, rule, self.block, device)
-        self._mask_key, self._mask = key, mask
+        self._masks[key] = mask
+        if len(self._masks) > MASK_CACHE_ENTRIES:
+            self._masks.popitem(last=False)
         return mask
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 from hybridkv.argtypes import non_empty_str, non_negative_float, non_negative_int, positive_int
 from hybridkv.errors import ConfigError, EquivalenceError
-from hybridkv.policies import CORE_POLICIES, make_retention_policy, split_policy_name
+from hybridkv.policies import CORE_POLICIES, PolicySpec
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -336,7 +336,7 @@ def _policies(text: str) -> list[str]:
             names.extend(CORE_POLICIES)
         elif item:
             try:
-                make_retention_policy(split_policy_name(item)[0])
+                PolicySpec.parse(item)
             except ConfigError as err:
                 raise ConfigError("--policy", item, err.fix) from err
             names.append(item)

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybridkv.errors import InvariantViolation
+from hybridkv.event_hook import RequestContext
 from hybridkv.events.landing import LandingRuns
 from hybridkv.events.schema import (
     MEDIUM_GPU,
@@ -58,22 +59,6 @@ REMOVED = 1
 
 RawRecord = tuple[int, int, BlockHash]
 """``(STORED | REMOVED, group id, block hash)`` as the pool appends it."""
-
-VLLM_KIND_OF: dict[str, str] = {
-    "full_attention": "full_attention",
-    "sliding_window": "sliding_window",
-    "padded_window": "sliding_window",
-    "chunked_local": "chunked_local_attention",
-    "recurrent_state": "mamba",
-    "compressed_attention": "mla_attention",
-    "sliding_window_mla": "sliding_window_mla",
-    "compressor_state": "sliding_window_mla",
-    "ring_buffer": "unknown",
-}
-"""hybridkv spec kind → vLLM 0.33 ``KVCacheSpecKind`` value of the spec vLLM uses for it
-(DeepSeek-V4's compressed KV is an ``MLAAttentionSpec``, its compressor state a
-``SlidingWindowMLASpec``, Mamba / GDN state a ``MambaSpec``)."""
-
 
 @dataclass(frozen=True, slots=True)
 class GroupEventInfo:
@@ -100,17 +85,6 @@ class GroupEventInfo:
         if self.capped_prefix_rule:
             return min(self.max_tail_blocks, position + 1)
         return self.tail_blocks((position + 1) * self.block_size)
-
-
-@dataclass(slots=True)
-class RequestContext:
-    """What a stored block's event needs from the request that cached it."""
-
-    req_id: str
-    block_hashes: Sequence[BlockHash]
-    token_ids: Sequence[int]
-    extra_keys: ExtraKeys | None
-    session_id: str | None
 
 
 class EventLog:

@@ -11,18 +11,17 @@ Subclasses implement ``find_longest_hit`` (a classmethod: lookups never modify a
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
 from typing import ClassVar
 
 from hybridkv.block import Block
-from hybridkv.config import CacheGroup
 from hybridkv.eviction import ROOT_PARENT
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.policies import RetentionPolicy
 from hybridkv.pool import BlockPool, FreeTier
-from hybridkv.specs import LayerSpec
+from hybridkv.specs import CacheGroup, LayerSpec
 
 
 def coarse_hashes(hashes: Sequence[BlockHash], ratio: int) -> Sequence[BlockHash]:
@@ -91,7 +90,44 @@ def blocks_in_every_group(getters: Sequence[Callable[[BlockHash], Block | None]]
     return found
 
 
-class GroupManager(ABC):
+class CacheUnit:
+    """What the coordinator drives at each step: one group's manager, or one batch of
+    sibling groups with an identical spec (``hybridkv.siblings.SiblingBatch``).
+
+    ``lead``: the manager whose answers stand for the unit (a batch's first member).
+
+    A plain base (not an ``ABC``): under mypyc the subclasses of a compiled ABC share its
+    ``isinstance`` cache, so a batch and a manager must not have an ABC root in common."""
+
+    lead: GroupManager
+
+    def allocate_into(self, req_id: ReqId, num_tokens: int, num_main_tokens: int,
+                      out: list[list[Block]]) -> None:
+        """Grow the unit's tables to ``num_tokens`` slots (``num_main_tokens`` where
+        lookahead slots are not allocated); append each group's new blocks to ``out``."""
+        raise NotImplementedError
+
+    def cache_blocks(self, req_id: ReqId, hashes: Sequence[BlockHash], hash_block_size: int,
+                     num_tokens: int, boundaries: Sequence[int],
+                     bridge_end_tokens: int = 0) -> None:
+        """Hash the newly full blocks the retention policy keeps."""
+        raise NotImplementedError
+
+    def remove_skipped_blocks(self, req_id: ReqId, num_computed_tokens: int) -> None:
+        """Release the blocks no later token reads."""
+        raise NotImplementedError
+
+    def next_release_tokens(self, num_computed_tokens: int) -> int:
+        """Computed tokens from which another block can leave."""
+        raise NotImplementedError
+
+    def free(self, req_id: ReqId, session_id: str | None = None) -> None:
+        """Release the request's blocks (``session_id``: a finished request's session, for
+        the eviction policy)."""
+        raise NotImplementedError
+
+
+class GroupManager(CacheUnit, metaclass=ABCMeta):
     """Block tables of one cache group.
 
     Invariants:
@@ -112,6 +148,9 @@ class GroupManager(ABC):
     recurrent layers (vLLM 0.33 align mode)."""
     has_step_state: ClassVar[bool] = False
     """The manager keeps per-step state that ``new_step`` clears."""
+    writes_checkpoints: ClassVar[bool] = False
+    """Blocks hold state checkpoints written at chunk ends (recurrent groups: the
+    coordinator ends prefill chunks where a checkpoint must be written)."""
 
     def __init__(self, group: CacheGroup, pool: BlockPool, retention: RetentionPolicy,
                  *, alignment_tokens: int, use_eagle: bool) -> None:
@@ -128,6 +167,7 @@ class GroupManager(ABC):
         self.chain_block_size: int | None = None
         """Set for ``chain`` eviction: block size of the full-attention group blocks depend on."""
         self.is_chain_reference = False
+        self.lead = self
 
     # ------------------------------------------------------------------ hooks
     @classmethod
@@ -169,7 +209,7 @@ class GroupManager(ABC):
         """Blocks the running request's table needs to cover ``num_tokens`` slots."""
         return max(0, -(-num_tokens // self.block_size) - len(self.tables[req_id]))
 
-    def new_step(self) -> None:  # noqa: B027 - an optional hook, empty by default
+    def new_step(self) -> None:
         """A scheduler step starts (only managers with ``has_step_state`` are called)."""
 
     def note_computed(self, req_id: ReqId, num_computed_tokens: int) -> None:
@@ -240,6 +280,26 @@ class GroupManager(ABC):
         new_blocks = self.pool.allocate(num_new)
         table.extend(new_blocks)
         return new_blocks
+
+    def allocate_into(self, req_id: ReqId, num_tokens: int, num_main_tokens: int,
+                      out: list[list[Block]]) -> None:
+        out.append(self.allocate_new_blocks(
+            req_id, num_main_tokens if self.ignores_lookahead else num_tokens))
+
+    def set_checkpoint_policy(self, checkpoints: str) -> None:
+        """The policy's checkpoint mode (``ckpt:chunk|block|branch``); only groups that
+        write checkpoints use it."""
+
+    def add_copied_block(self, req_id: ReqId, block: Block, num_hit_tokens: int) -> None:
+        """``ckpt:branch`` copy-on-write hit inside a block: ``block`` (fresh, a copy of the
+        snapshot at ``num_hit_tokens``) ends the request's hit table."""
+        del num_hit_tokens
+        self.tables[req_id].append(block)
+
+    def snapshot_source(self, req_id: ReqId, num_tokens: int) -> Block:
+        """``ckpt:branch``: the block a snapshot at ``num_tokens`` (inside a block) copies:
+        the block holding that position."""
+        return self.tables[req_id][num_tokens // self.block_size]
 
     def cache_blocks(self, req_id: ReqId, hashes: Sequence[BlockHash], hash_block_size: int,
                      num_tokens: int, boundaries: Sequence[int],

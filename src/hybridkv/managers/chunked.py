@@ -14,27 +14,29 @@ from hybridkv.specs import ChunkedLocalSpec, LayerSpec
 class ChunkedLocalManager(GroupManager):
     """Blocks of completed chunks are released; a hit needs only the current chunk's blocks."""
 
+    @property
+    def chunk_tokens(self) -> int:
+        """The spec's ``attention_chunk_size``."""
+        assert isinstance(self.spec, ChunkedLocalSpec)  # the registry pairs them
+        return self.spec.attention_chunk_size
+
     def admission_cap_blocks(self, max_num_batched_tokens: int, max_model_len: int | None,
                              ) -> int | None:
-        assert isinstance(self.spec, ChunkedLocalSpec)
-        span = self.spec.attention_chunk_size + max_num_batched_tokens
+        span = self.chunk_tokens + max_num_batched_tokens
         if max_model_len is not None:
             span = min(span, max_model_len)
         return -(-span // self.block_size)
 
     def hit_tail_blocks(self, num_tokens: int) -> int | None:
         """The blocks of the current chunk before ``p`` (none at a chunk boundary)."""
-        assert isinstance(self.spec, ChunkedLocalSpec)
-        return (num_tokens % self.spec.attention_chunk_size) // self.block_size
+        return (num_tokens % self.chunk_tokens) // self.block_size
 
     def max_hit_tail_blocks(self) -> int:
-        assert isinstance(self.spec, ChunkedLocalSpec)
-        return max(0, self.spec.attention_chunk_size // self.block_size - 1)
+        return max(0, self.chunk_tokens // self.block_size - 1)
 
     def next_release_tokens(self, num_computed_tokens: int) -> int:
         """The next chunk boundary (a chunk's blocks leave when the next chunk starts)."""
-        assert isinstance(self.spec, ChunkedLocalSpec)
-        chunk = self.spec.attention_chunk_size
+        chunk = self.chunk_tokens
         return (num_computed_tokens // chunk + 1) * chunk
 
     @classmethod

@@ -36,69 +36,12 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from hybridkv.block import Block
-from hybridkv.config import CacheGroup
-from hybridkv.errors import ConfigError, InvariantViolation
+from hybridkv.errors import InvariantViolation
 from hybridkv.ids import BlockHash, GroupId, ReqId
 from hybridkv.managers.base import GroupManager, blocks_in_every_group
-from hybridkv.policies import RetentionPolicy
+from hybridkv.policies import BLOCK_CHECKPOINTS, RetentionPolicy
 from hybridkv.pool import BlockPool, FreeTier
-from hybridkv.specs import LayerSpec, RecurrentStateSpec
-
-CHUNK_CHECKPOINTS = "ckpt:chunk"
-"""vLLM 0.33 align mode: a state is written at each step's end only (chunk ends aligned)."""
-BLOCK_CHECKPOINTS = "ckpt:block"
-"""Every block end a step passes gets its own block and state (the engine exports the
-state at each block end of a chunk, as chunked scans compute it anyway); chunks are not
-clipped, and the retention policy decides which of these checkpoints stay hashed."""
-BRANCH_CHECKPOINTS = "ckpt:branch"
-"""``ckpt:chunk`` plus sub-block hits (``hybridkv.branch``): hashes every ``u`` tokens
-(``ckpt:branch:U``; default 16, or 1 for blocks of at most 16 tokens), chunks end at
-branch points, snapshots there are hit with copy-on-write. Not vLLM 0.33 behaviour: an
-opt-in policy."""
-CHECKPOINT_POLICIES = (CHUNK_CHECKPOINTS, BLOCK_CHECKPOINTS, BRANCH_CHECKPOINTS)
-DEFAULT_BRANCH_UNIT_TOKENS = 16
-
-
-def parse_checkpoint_policy(name: str) -> str:
-    """Validate a checkpoint policy name (``ckpt:chunk``, ``ckpt:block``, ``ckpt:branch``
-    or ``ckpt:branch:U`` with a positive unit ``U`` in tokens).
-
-    >>> parse_checkpoint_policy("ckpt:block"), parse_checkpoint_policy("ckpt:branch:32")
-    ('ckpt:block', 'ckpt:branch:32')
-    """
-    if name in CHECKPOINT_POLICIES:
-        return name
-    prefix = BRANCH_CHECKPOINTS + ":"
-    if name.startswith(prefix) and name[len(prefix):].isdigit() \
-            and int(name[len(prefix):]) > 0:
-        return name
-    raise ConfigError("policy", name,
-                      f"unknown checkpoint policy; choose {', '.join(CHECKPOINT_POLICIES)} "
-                      "or ckpt:branch:U (U = hit unit in tokens, e.g. ckpt:branch:16)")
-
-
-def branch_unit_tokens(name: str, block_size: int) -> int | None:
-    """The hit unit of a ``ckpt:branch`` policy for ``block_size``-token blocks, ``None``
-    for the other checkpoint policies. The default is 16 tokens (vLLM's kernel block), or
-    1 token when a block holds at most 16.
-
-    >>> branch_unit_tokens("ckpt:branch", 784), branch_unit_tokens("ckpt:branch", 8)
-    (16, 1)
-    >>> branch_unit_tokens("ckpt:branch:4", 8), branch_unit_tokens("ckpt:chunk", 784)
-    (4, None)
-    """
-    if not name.startswith(BRANCH_CHECKPOINTS):
-        return None
-    if name != BRANCH_CHECKPOINTS:
-        unit = int(name[len(BRANCH_CHECKPOINTS) + 1:])
-    elif block_size > DEFAULT_BRANCH_UNIT_TOKENS and block_size % DEFAULT_BRANCH_UNIT_TOKENS == 0:
-        unit = DEFAULT_BRANCH_UNIT_TOKENS
-    else:
-        unit = 1
-    if block_size % unit:
-        raise ConfigError("policy", name,
-                          f"the hit unit must divide the block size {block_size}")
-    return unit
+from hybridkv.specs import CacheGroup, LayerSpec, RecurrentStateSpec
 
 
 class RecurrentStateManager(GroupManager):
@@ -108,6 +51,7 @@ class RecurrentStateManager(GroupManager):
     eagle_margin: ClassVar[bool] = False
     has_step_state: ClassVar[bool] = True
     ignores_lookahead: ClassVar[bool] = True
+    writes_checkpoints: ClassVar[bool] = True
 
     def __init__(self, group: CacheGroup, pool: BlockPool, retention: RetentionPolicy,
                  *, alignment_tokens: int, use_eagle: bool) -> None:
@@ -299,7 +243,15 @@ class RecurrentStateManager(GroupManager):
         if hit_blocks and not hit_blocks[-1].is_null:
             self._state_tokens[req_id] = {len(hit_blocks) - 1: num_hit_tokens}
 
-    def add_copied_state(self, req_id: ReqId, block: Block, num_hit_tokens: int) -> None:
+    def set_checkpoint_policy(self, checkpoints: str) -> None:
+        self.every_block = checkpoints == BLOCK_CHECKPOINTS
+
+    def snapshot_source(self, req_id: ReqId, num_tokens: int) -> Block:
+        """The running state: the table's last block."""
+        del num_tokens
+        return self.tables[req_id][-1]
+
+    def add_copied_block(self, req_id: ReqId, block: Block, num_hit_tokens: int) -> None:
         """``ckpt:branch`` copy-on-write hit inside a block: ``block`` (fresh, appended at
         index ``num_hit_tokens // bs``) receives the state after ``num_hit_tokens`` tokens
         from the snapshot before the step runs; it is the step's source state."""

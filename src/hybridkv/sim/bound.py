@@ -77,7 +77,6 @@ from hybridkv.config import CacheConfig
 from hybridkv.hashing import encode_token_ids
 from hybridkv.sim.ceiling import HitTotals
 from hybridkv.sim.trace import Trace, TraceRequest, common_prefix_length, expand_prompt
-from hybridkv.specs import FullAttentionSpec
 
 _NEVER = 1 << 62
 _MASK = 2**64 - 1
@@ -689,7 +688,7 @@ class BoundShape:
     def of(cls, config: CacheConfig) -> BoundShape | None:
         """``None`` for a model without full attention (no chain to bound)."""
         full = [g.spec.block_size for g in config.groups  # compressed attention counts too
-                if isinstance(g.spec, FullAttentionSpec)]
+                if g.spec.is_full_attention]
         if not full:
             return None
         a = config.alignment_tokens

@@ -25,10 +25,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError, PoolTooSmallError
-from hybridkv.eviction import parse_eviction
-from hybridkv.managers.recurrent import parse_checkpoint_policy
 from hybridkv.observe import open_observers, parse_metrics_target
-from hybridkv.policies import CORE_POLICIES, make_retention_policy, split_policy_name
+from hybridkv.policies import CORE_POLICIES, PolicySpec
 from hybridkv.sim.admission import parse_admissions
 from hybridkv.sim.bound import AdmissionLog, BoundShape, offline_optimum
 from hybridkv.sim.bound_share import BoundBroker, BoundKeys, BoundPair, set_bounds, shared_bounds
@@ -57,7 +55,6 @@ from hybridkv.sim.workloads import (
     make_workload,
     retention_microbench_from_params,
 )
-from hybridkv.specs import FullAttentionSpec
 
 DEFAULT_WORKLOAD = "agentic"
 DEFAULT_MODEL = "gemma3-bench"
@@ -149,12 +146,7 @@ def parse_policies(text: str, has_sessions: bool = False) -> list[str]:
             expanded.extend(all_policies(has_sessions))
         else:
             try:
-                retention, modifiers = split_policy_name(name)
-                make_retention_policy(retention)  # unknown names fail here, before any replay
-                for checkpoints in (m for m in modifiers if m.startswith("ckpt:")):
-                    parse_checkpoint_policy(checkpoints)
-                parse_eviction([m for m in modifiers
-                                if m != "recompute" and not m.startswith("ckpt:")])
+                PolicySpec.parse(name)  # unknown names fail here, before any replay
             except ConfigError as err:
                 raise _policy_error(name, err) from err
             expanded.append(name)
@@ -257,7 +249,7 @@ def check_pool_holds_requests(source: Source, config: CacheConfig) -> None:
     schedule can ever finish it. A lower bound (window and other groups need blocks too);
     the replay itself catches the rest (``replay``'s no-progress check)."""
     full = [g.spec.block_size for g in config.groups  # compressed attention counts too
-            if isinstance(g.spec, FullAttentionSpec)]
+            if g.spec.is_full_attention]
     if not full:
         return
     usable = config.num_blocks - 1
@@ -267,7 +259,7 @@ def check_pool_holds_requests(source: Source, config: CacheConfig) -> None:
             needed = sum(-(-num_tokens // block_size) for block_size in full)
             if needed > usable:
                 raise PoolTooSmallError(request.request_id, num_tokens, needed,
-                                        config.num_blocks)
+                                        config.num_blocks, origin=trace.origin)
 
 
 def pool_summary(shape: ModelShape, config: CacheConfig) -> dict[str, object]:
@@ -465,7 +457,7 @@ def _dispatch_order(tasks: Sequence[Task]) -> list[int]:
         name = tasks[index][0]
         if tasks[index] == _LIMITS:
             return 2
-        return 1 if make_retention_policy(split_policy_name(name)[0]).is_sparse else 0
+        return 1 if PolicySpec.parse(name).retention_policy().is_sparse else 0
     return sorted(range(len(tasks)), key=rank)
 
 
@@ -592,7 +584,7 @@ def _merged(a: RunResult, b: RunResult) -> RunResult:
 def source_bound(source: Source, config: CacheConfig) -> float | None:
     """Offline optimum of the measured requests at this pool's token capacity."""
     full = [g.spec.block_size for g in config.groups  # compressed attention counts too
-            if isinstance(g.spec, FullAttentionSpec)]
+            if g.spec.is_full_attention]
     if not full:
         return None
     block_size = full[0]
@@ -642,7 +634,7 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
     policies = parse_policies(args.policy, _has_sessions(source))
     admissions = parse_admissions(args.admission)
     for policy in policies:
-        make_retention_policy(split_policy_name(policy)[0]).validate(
+        PolicySpec.parse(policy).retention_policy().validate(
             config.alignment_tokens, True)
     check_pool_holds_requests(source, config)
     observing = open_observers(

@@ -3,7 +3,8 @@ written atomically after it.
 
 ``check_output_path`` refuses, before any replay, every path that cannot end up holding
 the file: a missing or non-directory parent, a path that is a directory or an existing
-non-regular file (``/dev/full``, a FIFO), a parent the process cannot create files in
+non-regular file (``/dev/full``, a FIFO), a symbolic-link loop (the file's or a parent's),
+a name too long for the file system, a NUL character, a parent the process cannot create files in
 (permissions, read-only file system: probed by creating and removing a temporary file),
 and a plot extension matplotlib cannot write.
 
@@ -25,6 +26,7 @@ temporary one, and the destinations keep their old content.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
@@ -57,22 +59,22 @@ def check_output_path(flag: str, path: Path | str, *, plot: bool = False) -> Pat
     if not text.strip():
         raise OutputPathError(flag, text, "the path is empty", "name a file, e.g. out.json")
     target = Path(text)
-    if text.endswith(os.sep) or target.is_dir():
+    if text.endswith(os.sep):
         raise OutputPathError(flag, text, "is a directory", "name a file inside it")
     parent = target.parent
-    try:
-        if target.exists() and not stat.S_ISREG(target.stat().st_mode):
-            raise OutputPathError(flag, text, "exists and is not a regular file (a device, "
-                                  "FIFO or socket)", "write to a regular file")
-        if not parent.exists():
-            raise OutputPathError(flag, text, f"directory '{parent}' does not exist",
-                                  "create it first or choose another path")
-        if not parent.is_dir():
-            raise OutputPathError(flag, text, f"'{parent}' is not a directory",
-                                  "choose a path inside a directory")
-    except OSError as err:
-        raise OutputPathError(flag, text, f"cannot be inspected ({err.strerror})",
-                              "check the directory's permissions") from err
+    parent_mode = path_mode(flag, text, parent, f"directory '{parent}'")
+    if parent_mode is None:
+        raise OutputPathError(flag, text, f"directory '{parent}' does not exist",
+                              "create it first or choose another path")
+    if not stat.S_ISDIR(parent_mode):
+        raise OutputPathError(flag, text, f"'{parent}' is not a directory",
+                              "choose a path inside a directory")
+    mode = path_mode(flag, text, target, "it")
+    if mode is not None and stat.S_ISDIR(mode):
+        raise OutputPathError(flag, text, "is a directory", "name a file inside it")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise OutputPathError(flag, text, "exists and is not a regular file (a device, "
+                              "FIFO or socket)", "write to a regular file")
     if plot:
         formats = plot_formats()
         extension = target.suffix.lower().lstrip(".")
@@ -82,6 +84,56 @@ def check_output_path(flag: str, path: Path | str, *, plot: bool = False) -> Pat
                 else "has no extension", f"end it in one of .{', .'.join(sorted(formats))}")
     _probe_writable(flag, target)
     return target
+
+
+def path_mode(flag: str, text: str, path: Path, what: str) -> int | None:
+    """``path``'s ``st_mode`` through symbolic links, ``None`` when nothing is there (or a
+    link points nowhere; writing replaces the link); ``OutputPathError`` when it cannot be
+    known: a symbolic-link loop, a name too long, a component that is not a directory
+    (``what`` names ``path`` in the message: ``it``, ``directory 'out'``).
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> (folder / "loop.json").symlink_to("loop.json")
+    >>> path_mode("--json", "loop.json", folder / "loop.json", "it")
+    Traceback (most recent call last):
+    ...
+    hybridkv.errors.OutputPathError: --json 'loop.json': it is a symbolic-link loop ...
+    >>> path_mode("--json", "new.json", folder / "new.json", "it") is None
+    True
+    """
+    try:
+        return os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except ValueError as err:  # a NUL character
+        raise OutputPathError(flag, text, f"is not a usable path ({err})",
+                              "name a file without NUL characters") from err
+    except OSError as err:
+        problems = {
+            errno.ELOOP: (f"{what} is a symbolic-link loop (never reaches a file)",
+                          "remove or fix the link, or choose another path"),
+            errno.ENAMETOOLONG: (f"{what}: a name is too long for the file system",
+                                 "choose a shorter name"),
+            errno.ENOTDIR: (f"{what}: a component of the path is not a directory",
+                            "choose a path inside a directory"),
+        }
+        problem, fix = problems.get(err.errno or 0, (
+            f"{what} cannot be inspected ({err.strerror})",
+            "check the directory's permissions"))
+        raise OutputPathError(flag, text, problem, fix) from err
+
+
+def resolved_path(flag: str, path: Path) -> Path:
+    """``path`` made absolute with every symbolic link followed; ``OutputPathError`` when
+    that cannot be done (a link loop: Python 3.11 raises ``RuntimeError``, later ones
+    ``OSError``)."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError) as err:
+        raise OutputPathError(flag, path, f"cannot be resolved ({err})",
+                              "remove or fix the symbolic link, or choose another path"
+                              ) from err
 
 
 def check_output_paths(named: Sequence[tuple[str, Path | str | None]],
@@ -107,7 +159,7 @@ def check_output_paths(named: Sequence[tuple[str, Path | str | None]],
             checked[flag] = None
             continue
         path = check_output_path(flag, value, plot=flag == "--plot")
-        resolved = path.resolve()
+        resolved = resolved_path(flag, path)
         if resolved in first_flag:
             raise ConfigError(flag, str(value), f"is the same file as {first_flag[resolved]}")
         first_flag[resolved] = flag
@@ -194,4 +246,5 @@ class StagedOutputs:
         self.discard()
 
 
-__all__ = ["StagedOutputs", "check_output_path", "plot_formats", "probe_directory"]
+__all__ = ["StagedOutputs", "check_output_path", "path_mode", "plot_formats",
+           "probe_directory", "resolved_path"]

@@ -429,7 +429,7 @@ def no_progress_error(trace: Trace, policy: str, config: CacheConfig, manager: K
                                   f"progress at step {scheduler.num_steps}: request "
                                   f"{blocked.req_id!r} needs {need} of {usable} blocks")
     return PoolTooSmallError(blocked.req_id, num_tokens, max(need, usable + 1),
-                             config.num_blocks)
+                             config.num_blocks, origin=trace.origin)
 
 
 def attach_bounds(result: RunResult, trace: Trace, config: CacheConfig) -> None:

@@ -6,7 +6,7 @@ import json
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -200,26 +200,32 @@ def pool_line(settings: Mapping[str, object]) -> str:
 
 
 def render_sweep_cells(cells: Sequence[Cell], rows: Mapping[str, Mapping[str, object]],
-                       errors: Mapping[str, str], resumed: Collection[str],
-                       console: Console, *, detail: bool = False) -> None:
+                       resumed: Collection[str], console: Console, *,
+                       detail: bool = False) -> None:
     """A sweep's cells, one table per (trace, model) with its ``ceiling`` in the title:
     pool, policy, admission order (when not all ``fcfs``), hit rate, ``bound``, the
     largest miss cause and time; ``*`` marks the best hit rate of a pool size, ``r`` a
-    cell resumed from ``--results``, a failed cell says so. ``detail`` adds a table per
-    (trace, model) of the miss-cause shares, ``bound_fa``, tokens and preemptions."""
+    cell resumed from ``--results``; a pool too small for the trace reads ``too small``
+    and ``needs ≥ N`` (the smallest pool that holds its largest request). ``detail`` adds
+    a table per (trace, model) of the miss-cause shares, ``bound_fa``, tokens and
+    preemptions."""
     panels = list(dict.fromkeys((c.source, c.model) for c in cells))
     show = _SweepColumns(admission=any(c.admission != "fcfs" for c in cells),
                          memory=any(c.kv_memory for c in cells),
                          resumed=any(c.key in resumed for c in cells))
+    from hybridkv.sim.sweep import is_too_small  # sweep imports this module (commands)
+
+    measured = {key: row for key, row in rows.items() if not is_too_small(row)}
     best: dict[tuple[str, str, int], float] = {}
     for c in cells:
-        if c.key in rows:
+        if c.key in measured:
             rate = float(str(rows[c.key]["hit_rate"]))
             slot = (c.source, c.model, c.num_blocks)
             best[slot] = max(best.get(slot, rate), rate)
     for source, model in panels:
         panel = [c for c in cells if (c.source, c.model) == (source, model)]
-        ceilings = sorted({float(str(rows[c.key]["ceiling"])) for c in panel if c.key in rows})
+        ceilings = sorted({float(str(measured[c.key]["ceiling"])) for c in panel
+                           if c.key in measured})
         ceiling = ("n/a" if not ceilings else percent(ceilings[0]) if len(ceilings) == 1
                    else f"{percent(ceilings[0])}–{percent(ceilings[-1])}")
         table = report_table(f"{source} on {model} · ceiling {ceiling}",
@@ -228,10 +234,10 @@ def render_sweep_cells(cells: Sequence[Cell], rows: Mapping[str, Mapping[str, ob
                              labels={"policy", "admission", ""})
         for c in panel:
             row = rows.get(c.key)
-            if row is None:
-                table.add_row(*show.lead_cells(c),
-                              "failed" if c.key in errors else errors.get(c.key, "not run"),
-                              "", "", "", *([""] if show.resumed else []))
+            if row is None or is_too_small(row):
+                needs = "" if row is None else f"needs ≥ {int(str(row['min_num_blocks'])):,}"
+                table.add_row(*show.lead_cells(c), "not run" if row is None else "too small",
+                              "", needs, "", *([""] if show.resumed else []))
                 continue
             rate = float(str(row["hit_rate"]))
             mark = " *" if rate == best[(c.source, c.model, c.num_blocks)] else ""
@@ -242,9 +248,12 @@ def render_sweep_cells(cells: Sequence[Cell], rows: Mapping[str, Mapping[str, ob
         console.print(table)
         if detail:
             _render_sweep_detail(panel, rows, show, console)
+    too_small = any(is_too_small(row) for row in rows.values())
     console.print("* = best hit rate of its pool size; r = resumed from --results; bound: "
                   "offline optimum of each run's admissions; largest miss: the miss cause of "
                   "most missed tokens"
+                  + ("; too small: the pool cannot hold the trace's largest request, needs ≥ "
+                     "N blocks" if too_small else "")
                   + ("" if detail else "; more columns: --detail, --csv, --json")
                   + " (hybridkv replay --help)", style="dim", soft_wrap=True)
 
@@ -281,6 +290,8 @@ def _shares(row: Mapping[str, object]) -> dict[str, float]:
 def _render_sweep_detail(panel: Sequence[Cell], rows: Mapping[str, Mapping[str, object]],
                          show: _SweepColumns, console: Console) -> None:
     """Two tables: the miss-cause shares; ``bound_fa``, tokens and preemptions."""
+    from hybridkv.sim.sweep import is_too_small
+
     lead = ["blocks", "policy", *(["admission"] if show.admission else [])]
     causes = report_table("miss causes (shares of the missed tokens)",
                           [*lead, *(CAUSE_LABELS[c] for c in MISS_CAUSES)],
@@ -290,7 +301,7 @@ def _render_sweep_detail(panel: Sequence[Cell], rows: Mapping[str, Mapping[str, 
                           labels={"policy", "admission"})
     for c in panel:
         row = rows.get(c.key)
-        if row is None:
+        if row is None or is_too_small(row):
             continue
         cells = [f"{c.num_blocks:,}", c.policy, *([c.admission] if show.admission else [])]
         shares = _shares(row)
@@ -389,6 +400,7 @@ SWEEP_POLICY_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab
 SWEEP_CEILING_COLOR = "red"
 """The ceiling's colour: none of ``SWEEP_POLICY_COLORS``."""
 SWEEP_BOUND_COLOR = "black"
+SWEEP_TOO_SMALL_COLOR = "grey"
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "*", "p")
 _DASHES = ("-", "--", "-.", ":")
 
@@ -399,12 +411,15 @@ def plot_sweep(rows: Sequence[Mapping[str, object]], path: Path, *,
     (and admission order), with ``bound`` (the largest per-run one of each pool size,
     black) and ``ceiling`` (red, a colour no policy uses). Coinciding lines stay
     readable: each policy has its own hollow marker, drawn smaller than the one before,
-    so equal points nest instead of hiding each other. Pool sizes spanning 10× or more
-    get a log axis."""
+    so equal points nest instead of hiding each other. Pool sizes too small for the
+    trace are grey crosses on the axis, with the smallest pool that holds it. Pool sizes
+    spanning 10× or more get a log axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from hybridkv.sim.sweep import is_too_small
 
     traces = list(dict.fromkeys(str(r["trace"]) for r in rows))
     models = list(dict.fromkeys(str(r["model"]) for r in rows))
@@ -418,30 +433,12 @@ def plot_sweep(rows: Sequence[Mapping[str, object]], path: Path, *,
         if not panel:
             ax.set_visible(False)
             continue
-        for number, (policy, admission) in enumerate(lines):
-            points = sorted((int(str(r["num_blocks"])), 100 * float(str(r["hit_rate"])))
-                            for r in panel if (r["policy"], r["admission"]) == (policy,
-                                                                                 admission))
-            if not points:
-                continue
-            label = policy if admission == "fcfs" else f"{policy} [{admission}]"
-            color = SWEEP_POLICY_COLORS[number % len(SWEEP_POLICY_COLORS)]
-            dash = _DASHES[number // len(SWEEP_POLICY_COLORS) % len(_DASHES)]
-            ax.plot([p[0] for p in points], [p[1] for p in points], color=color,
-                    linestyle=dash, marker=_MARKERS[number % len(_MARKERS)],
-                    markersize=max(3.0, 11.0 - 1.2 * number), markerfacecolor="none",
-                    markeredgewidth=1.4, linewidth=1.2, label=label)
+        measured = [r for r in panel if not is_too_small(r)]
+        for number, line in enumerate(lines):
+            _plot_policy_line(ax, number, line, measured)
+        _plot_limits(ax, measured)
+        _mark_too_small(ax, [r for r in panel if is_too_small(r)])
         pools = sorted({int(str(r["num_blocks"])) for r in panel})
-        bounds = [max((b for r in panel if int(str(r["num_blocks"])) == n
-                       and (b := _float(r["bound"])) is not None), default=None)
-                  for n in pools]
-        known = [(n, 100 * b) for n, b in zip(pools, bounds, strict=True) if b is not None]
-        if known:
-            ax.plot([k[0] for k in known], [k[1] for k in known], color=SWEEP_BOUND_COLOR,
-                    linestyle=":", marker="x", linewidth=1.2, label="bound")
-        ceiling = max(float(str(r["ceiling"])) for r in panel)
-        ax.axhline(100 * ceiling, color=SWEEP_CEILING_COLOR, linestyle="--", linewidth=1.2,
-                   label="ceiling")
         if pools[-1] >= 10 * pools[0]:
             ax.set_xscale("log")
         ax.set_xlabel("pool size (blocks)")
@@ -452,3 +449,50 @@ def plot_sweep(rows: Sequence[Mapping[str, object]], path: Path, *,
     fig.tight_layout()
     fig.savefig(path, dpi=110, format=format)
     plt.close(fig)
+
+
+def _plot_policy_line(ax: Any, number: int, line: tuple[str, str],
+                      panel: Sequence[Mapping[str, object]]) -> None:
+    """One policy's (and admission order's) hit rate over the pool sizes, in the
+    ``number``-th colour, dash and marker."""
+    policy, admission = line
+    points = sorted((int(str(r["num_blocks"])), 100 * float(str(r["hit_rate"])))
+                    for r in panel if (r["policy"], r["admission"]) == line)
+    if not points:
+        return
+    label = policy if admission == "fcfs" else f"{policy} [{admission}]"
+    color = SWEEP_POLICY_COLORS[number % len(SWEEP_POLICY_COLORS)]
+    dash = _DASHES[number // len(SWEEP_POLICY_COLORS) % len(_DASHES)]
+    ax.plot([p[0] for p in points], [p[1] for p in points], color=color,
+            linestyle=dash, marker=_MARKERS[number % len(_MARKERS)],
+            markersize=max(3.0, 11.0 - 1.2 * number), markerfacecolor="none",
+            markeredgewidth=1.4, linewidth=1.2, label=label)
+
+
+def _plot_limits(ax: Any, panel: Sequence[Mapping[str, object]]) -> None:
+    """``bound`` (the largest of each pool size) and ``ceiling`` of a panel's measured
+    cells."""
+    if not panel:
+        return
+    pools = sorted({int(str(r["num_blocks"])) for r in panel})
+    bounds = [max((b for r in panel if int(str(r["num_blocks"])) == n
+                   and (b := _float(r["bound"])) is not None), default=None)
+              for n in pools]
+    known = [(n, 100 * b) for n, b in zip(pools, bounds, strict=True) if b is not None]
+    if known:
+        ax.plot([k[0] for k in known], [k[1] for k in known], color=SWEEP_BOUND_COLOR,
+                linestyle=":", marker="x", linewidth=1.2, label="bound")
+    ceiling = max(float(str(r["ceiling"])) for r in panel)
+    ax.axhline(100 * ceiling, color=SWEEP_CEILING_COLOR, linestyle="--", linewidth=1.2,
+               label="ceiling")
+
+
+def _mark_too_small(ax: Any, panel: Sequence[Mapping[str, object]]) -> None:
+    """Grey crosses at 0% for the pool sizes too small for the trace, labelled with the
+    smallest pool that holds it."""
+    if not panel:
+        return
+    pools = sorted({int(str(r["num_blocks"])) for r in panel})
+    needs = max(int(str(r["min_num_blocks"])) for r in panel)
+    ax.scatter(pools, [0.0] * len(pools), marker="X", s=60, color=SWEEP_TOO_SMALL_COLOR,
+               zorder=3, label=f"too small: needs ≥ {needs:,} blocks")

@@ -61,16 +61,22 @@ from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.model import ModelShape
 from hybridkv.sim.replay import ReplaySettings, RunResult
 
-KEY_FORMAT = 1
+KEY_FORMAT = 2
 """Bumped when the key material or the row layout changes (old rows are then ignored)."""
 
 TIMING_FIELDS = ("manager_seconds", "wall_seconds")
 """Row fields that measure this run's speed; every other field is a pure function of the
 cell (``--jobs``, Ray and a serial run agree on them exactly)."""
 
+STATUS_OK = "ok"
+STATUS_TOO_SMALL = "too small"
+"""A row's ``status``: the cell ran, or its pool cannot hold some request of its trace
+(``min_num_blocks`` is then the smallest pool that can; the measurements are empty)."""
+
 ROW_FIELDS = (
     "trace", "model", "num_blocks", "kv_memory", "pool_bytes", "policy", "admission",
-    "hit_rate", "bound", "bound_fa", "ceiling", "hit_tokens", "prompt_tokens",
+    "status", "min_num_blocks", "hit_rate", "bound", "bound_fa", "ceiling", "hit_tokens",
+    "prompt_tokens",
     *(f"miss_{cause}" for cause in MISS_CAUSES),
     "preemptions", "steps", "evicted_blocks", "wait_p50_steps", "wait_p99_steps",
     "wait_max_steps", *TIMING_FIELDS, "key",
@@ -103,10 +109,14 @@ class Cell:
 
 @dataclass(frozen=True, slots=True)
 class CellError:
-    """Why a cell could not run (a pool too small for some request): reported, not
-    stored, the rest of the sweep goes on."""
+    """A cell whose pool cannot hold some request of its trace (found before the replay,
+    or by it): a result, not a failure — its row is ``too_small_row`` — and the rest of
+    the sweep goes on."""
 
     message: str
+    min_num_blocks: int
+    """The smallest pool (blocks, the null block included) that holds the request."""
+    pool_bytes: int
 
 
 Row = dict[str, object]
@@ -215,7 +225,8 @@ def replay_cell(source: Source, shape: ModelShape, cell: Cell, options: CellOpti
         check_pool_holds_requests(source, config)
         results = replay_policy(source, config, cell.policy, settings, progress)
     except PoolTooSmallError as err:
-        return CellError(str(err))
+        return CellError(str(err), err.blocks_needed + 1,
+                         cell.num_blocks * shape.bytes_per_block)
     keys = log_keys(source, config, results)
     for scenario, result in results.items():
         if scenario not in keys:
@@ -251,8 +262,9 @@ def cell_row(source: Source, shape: ModelShape, cell: Cell, replayed: CellReplay
     row: Row = {
         "trace": cell.source, "model": cell.model, "num_blocks": cell.num_blocks,
         "kv_memory": cell.kv_memory or "", "pool_bytes": cell.num_blocks * shape.bytes_per_block,
-        "policy": cell.policy, "admission": cell.admission,
-        "hit_rate": result.hit_rate, "bound": result.bound, "bound_fa": result.bound_fa,
+        "policy": cell.policy, "admission": cell.admission, "status": STATUS_OK,
+        "min_num_blocks": None, "hit_rate": result.hit_rate, "bound": result.bound,
+        "bound_fa": result.bound_fa,
         "ceiling": replayed.ceiling, "hit_tokens": result.hit_tokens,
         "prompt_tokens": result.prompt_tokens,
         **{f"miss_{cause}": tokens for cause, tokens in result.misses.as_dict().items()},
@@ -267,6 +279,28 @@ def cell_row(source: Source, shape: ModelShape, cell: Cell, replayed: CellReplay
     }
     assert tuple(row) == ROW_FIELDS
     return row
+
+
+def too_small_row(cell: Cell, error: CellError) -> Row:
+    """The row of a cell whose pool is too small: its labels, ``status`` "too small" and
+    ``min_num_blocks``; every measurement ``None`` (empty in the CSV, ``null`` in JSON).
+
+    >>> cell = Cell("mooncake", "gemma3-bench", 8192, "latest", "fcfs", "8GiB", "k")
+    >>> row = too_small_row(cell, CellError("…", 8449, 8 << 30))
+    >>> row["status"], row["min_num_blocks"], row["hit_rate"], tuple(row) == ROW_FIELDS
+    ('too small', 8449, None, True)
+    """
+    labels: Row = {"trace": cell.source, "model": cell.model, "num_blocks": cell.num_blocks,
+                   "kv_memory": cell.kv_memory or "", "pool_bytes": error.pool_bytes,
+                   "policy": cell.policy, "admission": cell.admission,
+                   "status": STATUS_TOO_SMALL, "min_num_blocks": error.min_num_blocks,
+                   "key": cell.key}
+    return {name: labels.get(name) for name in ROW_FIELDS}
+
+
+def is_too_small(row: Mapping[str, object]) -> bool:
+    """Whether ``row`` is a too-small cell's (a CSV row's empty cells included)."""
+    return row.get("status") == STATUS_TOO_SMALL
 
 
 def without_timings(rows: Sequence[Mapping[str, object]]) -> list[dict[str, object]]:
@@ -303,6 +337,8 @@ def default_workers() -> int:
 
 __all__ = [
     "ROW_FIELDS",
+    "STATUS_OK",
+    "STATUS_TOO_SMALL",
     "TIMING_FIELDS",
     "Cell",
     "CellBoundTask",
@@ -318,8 +354,10 @@ __all__ = [
     "default_workers",
     "dispatch_order",
     "file_fingerprint",
+    "is_too_small",
     "key_material",
     "model_identity",
     "replay_cell",
+    "too_small_row",
     "without_timings",
 ]

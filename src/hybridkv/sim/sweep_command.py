@@ -8,8 +8,10 @@ finishes. The table covers every cell; CSV / JSON / plot go only to the paths na
 ``--csv`` / ``--json`` / ``--plot``, staged and renamed into place together at the end
 (nothing is written into the working directory unasked, nothing partial on Ctrl-C).
 
-A pool size too small for some request fails its cells (one line, exit 2) without
-stopping the others; the finished cells are still shown, stored and written.
+A pool size too small for some request of the trace is a result, not a failure: its
+cells say "too small" and the smallest pool that holds the request (table, CSV, JSON and
+plot; stored in ``--results`` like any cell), and the sweep exits 0. (A single ``hybridkv
+replay`` on such a pool is an error, exit 2.)
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import hybridkv
-from hybridkv.errors import ConfigError, HybridKVError
-from hybridkv.policies import make_retention_policy, split_policy_name
+from hybridkv.errors import ConfigError
+from hybridkv.policies import PolicySpec
 from hybridkv.sim.admission import parse_admissions
 from hybridkv.sim.commands import (
     DEFAULT_MODEL,
@@ -49,14 +51,12 @@ from hybridkv.sim.sweep import (
     cell_key,
     default_workers,
     file_fingerprint,
+    is_too_small,
     key_material,
+    too_small_row,
 )
 from hybridkv.sim.sweep_exec import SweepWork, run_processes, run_serial
 from hybridkv.sim.sweep_store import ResultStore
-
-
-class SweepError(HybridKVError):
-    """Some cells of a sweep could not run (the finished ones were written)."""
 
 
 @dataclass(slots=True)
@@ -64,7 +64,6 @@ class SweepState:
     """Outcome of every cell so far, by key."""
 
     rows: dict[str, Row] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
     resumed: set[str] = field(default_factory=set)
     computed: int = 0
 
@@ -163,7 +162,7 @@ def plan_cells(args: argparse.Namespace, sources: Sequence[tuple[str, Source, di
         for model_label, shape in models:
             alignment = shape.cache_config(2).alignment_tokens
             for policy in policies:
-                make_retention_policy(split_policy_name(policy)[0]).validate(alignment, True)
+                PolicySpec.parse(policy).retention_policy().validate(alignment, True)
             for num_blocks, memory in resolve_pools(args, shape, source, workers):
                 for admission in admissions:
                     for policy in policies:
@@ -242,13 +241,11 @@ def _recorder(state: SweepState, store: ResultStore | None,
               materials: dict[str, dict[str, object]],
               progress: Progress | None) -> Callable[[Cell, Row | CellError], None]:
     def on_done(cell: Cell, outcome: Row | CellError) -> None:
-        if isinstance(outcome, CellError):
-            state.errors[cell.key] = outcome.message
-        else:
-            if store is not None:
-                store.save(cell.key, materials[cell.key], outcome)
-            state.rows[cell.key] = outcome
-            state.computed += 1
+        row = too_small_row(cell, outcome) if isinstance(outcome, CellError) else outcome
+        if store is not None:
+            store.save(cell.key, materials[cell.key], row)
+        state.rows[cell.key] = row
+        state.computed += 1
         if progress is not None:
             progress.advance(progress.task_ids[0])
     return on_done
@@ -256,8 +253,7 @@ def _recorder(state: SweepState, store: ResultStore | None,
 
 def _report(args: argparse.Namespace, console: Console, cells: Sequence[Cell],
             state: SweepState, outputs: Outputs, store: ResultStore | None) -> int:
-    render_sweep_cells(cells, state.rows, state.errors, state.resumed, console,
-                       detail=args.detail)
+    render_sweep_cells(cells, state.rows, state.resumed, console, detail=args.detail)
     rows = [_labelled(state.rows[c.key], c) for c in cells if c.key in state.rows]
     written = [str(p) for p in (outputs.csv, outputs.json, outputs.plot) if p is not None]
     if rows and written:
@@ -266,29 +262,18 @@ def _report(args: argparse.Namespace, console: Console, cells: Sequence[Cell],
                 staged.stage("--csv", outputs.csv, lambda tmp: _write_csv(rows, tmp))
             if outputs.json is not None:
                 staged.stage("--json", outputs.json, lambda tmp: _write_json(
-                    rows, cells, state, tmp))
+                    rows, state, tmp))
             if outputs.plot is not None:
                 plot = outputs.plot
                 staged.stage("--plot", plot, lambda tmp: plot_sweep(
                     rows, tmp, format=plot.suffix.lstrip(".").lower()))
             staged.commit()
     where = "" if store is None else f" in {store.directory}"
+    too_small = sum(is_too_small(row) for row in rows)
     console.print(f"{len(cells)} cells: {state.computed} computed, {len(state.resumed)} "
-                  f"resumed{where}, {len(state.errors)} failed"
-                  + (f"; wrote {', '.join(written)}" if rows and written else ""))
-    if state.errors:
-        failed = [c for c in cells if c.key in state.errors]
-        by_model: dict[str, set[int]] = {}
-        for c in failed:
-            by_model.setdefault(c.model, set()).add(c.num_blocks)
-        pools = "; ".join(f"{model}: {', '.join(map(str, sorted(sizes)))}"
-                          for model, sizes in by_model.items())
-        kept = (f"the {len(rows)} finished cells are in {', '.join(written)}"
-                if rows and written else "the finished cells are in the table" if rows
-                else "no cell finished, nothing written")
-        raise SweepError(f"{len(failed)} of {len(cells)} cells failed (pool sizes "
-                         f"{pools}): {state.errors[failed[0].key]}; "
-                         f"{kept}")
+                  f"resumed{where}" + (f", {too_small} too small" if too_small else "")
+                  + (f"; wrote {', '.join(written)}" if rows and written else ""),
+                  soft_wrap=True)
     return 0
 
 
@@ -306,16 +291,12 @@ def _write_csv(rows: Sequence[Row], path: Path) -> None:
         writer.writerows(rows)
 
 
-def _write_json(rows: Sequence[Row], cells: Sequence[Cell], state: SweepState,
-                path: Path) -> None:
+def _write_json(rows: Sequence[Row], state: SweepState, path: Path) -> None:
     import json
 
-    failed = [{"trace": c.source, "model": c.model, "num_blocks": c.num_blocks,
-               "policy": c.policy, "admission": c.admission, "error": state.errors[c.key]}
-              for c in cells if c.key in state.errors]
     cells_json = [{**row, "resumed": row["key"] in state.resumed} for row in rows]
-    path.write_text(json.dumps({"hybridkv": hybridkv.__version__, "cells": cells_json,
-                                "failed": failed}, indent=2) + "\n")
+    path.write_text(json.dumps({"hybridkv": hybridkv.__version__, "cells": cells_json},
+                               indent=2) + "\n")
 
 
-__all__ = ["SweepError", "cmd_sweep", "plan_cells", "resolve_sources"]
+__all__ = ["cmd_sweep", "plan_cells", "resolve_sources"]

@@ -22,11 +22,12 @@ True
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 from hybridkv.errors import OutputPathError
-from hybridkv.sim.outputs import StagedOutputs, probe_directory
+from hybridkv.sim.outputs import StagedOutputs, path_mode, probe_directory
 
 FLAG = "--results"
 
@@ -45,18 +46,23 @@ class ResultStore:
         path = Path(text)
         if not text.strip():
             raise OutputPathError(FLAG, text, "the path is empty", "name a directory")
-        try:
-            if path.exists() and not path.is_dir():
-                raise OutputPathError(FLAG, text, "exists and is not a directory",
-                                      "name a directory for the finished cells")
-            if not path.exists():
-                if not path.parent.is_dir():
-                    raise OutputPathError(FLAG, text, f"parent '{path.parent}' is not an "
-                                          "existing directory", "create it first")
+        mode = path_mode(FLAG, text, path, "it")
+        if mode is not None and not stat.S_ISDIR(mode):
+            raise OutputPathError(FLAG, text, "exists and is not a directory",
+                                  "name a directory for the finished cells")
+        if mode is None and path.is_symlink():
+            raise OutputPathError(FLAG, text, "is a symbolic link to a missing directory",
+                                  "create the directory it names or choose another")
+        if mode is None:
+            parent_mode = path_mode(FLAG, text, path.parent, f"parent '{path.parent}'")
+            if parent_mode is None or not stat.S_ISDIR(parent_mode):
+                raise OutputPathError(FLAG, text, f"parent '{path.parent}' is not an "
+                                      "existing directory", "create it first")
+            try:
                 path.mkdir()
-        except OSError as err:
-            raise OutputPathError(FLAG, text, f"cannot be created ({err.strerror})",
-                                  "choose a writable directory") from err
+            except OSError as err:
+                raise OutputPathError(FLAG, text, f"cannot be created ({err.strerror})",
+                                      "choose a writable directory") from err
         probe_directory(FLAG, path)
         return cls(path)
 

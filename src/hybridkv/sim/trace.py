@@ -152,6 +152,16 @@ class Trace:
         return len(self.requests)
 
     @property
+    def origin(self) -> str:
+        """Where the requests came from, for messages: the file, or the generated workload.
+
+        >>> Trace("agentic", ()).origin, Trace("t", (), "traces/t.jsonl", "mooncake").origin
+        ("workload 'agentic'", "trace 'traces/t.jsonl'")
+        """
+        return (f"trace {self.source!r}" if self.source is not None
+                else f"workload {self.name!r}")
+
+    @property
     def num_input_tokens(self) -> int:
         """Sum of prompt lengths over all requests."""
         return sum(r.input_length for r in self.requests)

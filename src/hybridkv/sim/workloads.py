@@ -25,6 +25,7 @@ from typing import Final
 
 from hybridkv.errors import ConfigError
 from hybridkv.sim.trace import MAX_PROMPT_TOKENS, Trace, TraceRequest
+from hybridkv.sim.workload_limits import check_workload_fits
 
 SEED_BITS: Final = 11
 NAMESPACE_BITS: Final = 37
@@ -370,7 +371,9 @@ def make_workload(name: str, **params: object) -> Trace:
         close = difflib.get_close_matches(name, list(WORKLOADS), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError("workload", name, f"{hint}choose one of {sorted(WORKLOADS)}")
-    return WORKLOADS[name](**converted_params(name, WORKLOADS[name], params))
+    converted = converted_params(name, WORKLOADS[name], params)
+    _check_fits(name, WORKLOADS[name], converted)
+    return WORKLOADS[name](**converted)
 
 
 def retention_microbench_from_params(**params: object) -> dict[str, Trace]:
@@ -381,8 +384,18 @@ def retention_microbench_from_params(**params: object) -> dict[str, Trace]:
     ...                                         num_prompts="1"))
     ['0.5', '1.0']
     """
-    return retention_microbench_scenarios(**converted_params(  # type: ignore[arg-type]
-        "retention-microbench", retention_microbench_scenarios, params))
+    converted = converted_params("retention-microbench", retention_microbench_scenarios,
+                                 params)
+    _check_fits("retention-microbench", retention_microbench_scenarios, converted)
+    return retention_microbench_scenarios(**converted)  # type: ignore[arg-type]
+
+
+def _check_fits(name: str, generator: Callable[..., object],
+                converted: Mapping[str, object]) -> None:
+    """Refuse, before building it, a workload whose trace would not fit in host memory
+    (``hybridkv.sim.workload_limits``)."""
+    defaults = {k: p.default for k, p in inspect.signature(generator).parameters.items()}
+    check_workload_fits(name, {**defaults, **converted}, given=set(converted))
 
 
 def converted_params(name: str, function: Callable[..., object], params: Mapping[str, object],
