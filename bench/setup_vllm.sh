@@ -49,7 +49,8 @@ PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
     "pytest>=8" "pytest-asyncio>=0.23" "hypothesis>=6" einops httpx anthropic uvicorn \
     watchfiles orjson
 
-# 4. hybridkv (editable, no deps) and its own runtime dependencies.
+# 4. hybridkv (editable, no deps) and its own runtime dependencies (HYBRIDKV_PURE_PYTHON=1
+#    skips compiling the core, as .ci/run does: its step vllm imports the sources).
 "${PIP[@]}" --no-deps -e "$ROOT"
 "${PIP[@]}" "xxhash>=3.0" "rich>=13" "matplotlib>=3.7"
 

@@ -18,9 +18,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.config import CacheConfig, CacheGroup
+from hybridkv.config import CacheConfig
 from hybridkv.ids import GroupId
-from hybridkv.specs import ChunkedLocalSpec, FullAttentionSpec, LayerSpec, SlidingWindowSpec
+from hybridkv.specs import (
+    CacheGroup,
+    ChunkedLocalSpec,
+    FullAttentionSpec,
+    LayerSpec,
+    SlidingWindowSpec,
+)
 
 
 class UnsupportedFeature(NotImplementedError):

@@ -122,3 +122,13 @@ def test_unmodelled_internals_and_connector_calls_are_refused() -> None:
     with pytest.raises(UnsupportedFeature, match="KV connectors"):
         manager.allocate_slots(request, 8, num_external_computed_tokens=4)
     manager.free(request)  # never seen: a no-op, as vLLM frees an aborted waiting request
+
+
+@pytest.mark.parametrize("name", ["hybridkv.vllm.config", "hybridkv.vllm.scheduler",
+                                  "hybridkv.vllm.testing"])
+def test_docstring_examples_of_the_plugin(name: str) -> None:
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.failed == 0 and result.attempted > 0
