@@ -64,6 +64,25 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite number ``> 0`` (rates, time scales).
+
+    >>> positive_float("0.5")
+    0.5
+    >>> positive_float("0")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: must be a finite number > 0, got '0'
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
 def non_empty_str(text: str) -> str:
     """A string with something in it (``--trace ''`` must not mean "no trace")."""
     if not text.strip():
@@ -71,4 +90,5 @@ def non_empty_str(text: str) -> str:
     return text
 
 
-__all__ = ["non_empty_str", "non_negative_float", "non_negative_int", "positive_int"]
+__all__ = ["non_empty_str", "non_negative_float", "non_negative_int", "positive_float",
+           "positive_int"]

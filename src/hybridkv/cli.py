@@ -22,7 +22,7 @@ from typing import NoReturn
 
 from rich.console import Console
 
-from hybridkv.argtypes import non_empty_str, non_negative_float, positive_int
+from hybridkv.argtypes import non_empty_str, non_negative_float, positive_float, positive_int
 from hybridkv.cluster.command import add_cluster_arguments, cmd_cluster
 from hybridkv.cluster.report import CLUSTER_HELP
 from hybridkv.errors import ConfigError, HybridKVError
@@ -37,6 +37,7 @@ from hybridkv.sim.commands import (
     cmd_sweep,
 )
 from hybridkv.sim.report import REPORT_HELP
+from hybridkv.timing import GPUS
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -103,6 +104,23 @@ def _add_source_arguments(parser: argparse.ArgumentParser, *, many: bool = False
     parser.add_argument("--admission", default="fcfs",
                         help="admission order(s), comma-separated or 'all': "
                         f"{', '.join(ORDERS)} (default fcfs: the protocol)")
+    timing = parser.add_argument_group(
+        "time model", "--clock time: requests arrive at their trace times (or --rate), each "
+        "step takes what the step-time model gives it; reports TTFT, TPOT, goodput "
+        "(docs/time-model.md)")
+    timing.add_argument("--clock", default="step", metavar="{step,time}",
+                        help="step (default: scheduler steps, the protocol) or time")
+    timing.add_argument("--gpu", default="h200", metavar="NAME",
+                        help=f"GPU of the time model: {', '.join(GPUS)} (default h200)")
+    timing.add_argument("--tp", type=positive_int, default=1,
+                        help="tensor-parallel GPUs per instance (default 1)")
+    timing.add_argument("--rate", type=positive_float, default=None,
+                        help="Poisson arrivals at this many requests/s instead of the "
+                        "trace's times (workloads have none: required there)")
+    timing.add_argument("--time-scale", type=positive_float, default=1.0,
+                        help="multiply arrival times (0.5: twice the rate; default 1)")
+    timing.add_argument("--slo", default=None, metavar="ttft=S,tpot=S",
+                        help="goodput's limits, e.g. ttft=2,tpot=50ms")
 
 
 def _add_pool_arguments(parser: argparse.ArgumentParser, *, many: bool) -> None:

@@ -143,16 +143,32 @@ def free_port() -> int:
 
 
 def shared_folder() -> Path | None:
-    """The README's ``../shared``: ``$HYBRIDKV_SHARED``, beside this checkout, or beside
-    the main worktree of this repository (a linked worktree has none of its own)."""
+    """The README's ``../shared``: ``$HYBRIDKV_SHARED``, beside this checkout, beside the
+    main worktree of this repository (a linked worktree has none of its own), or beside
+    the local repository this one was cloned from (CI's fresh clone)."""
     candidates = [Path(os.environ["HYBRIDKV_SHARED"])] if "HYBRIDKV_SHARED" in os.environ \
         else []
-    candidates.append(ROOT.parent / "shared")
-    common = subprocess.run(["git", "rev-parse", "--git-common-dir"], cwd=ROOT, text=True,
-                            capture_output=True, check=False).stdout.strip()
-    if common:
-        candidates.append((ROOT / common).resolve().parent.parent / "shared")
+    candidates += _beside(ROOT)
+    origin = _git(ROOT, "remote", "get-url", "origin")
+    if origin and Path(origin).is_dir():
+        candidates += _beside(Path(origin))
     return next((c for c in candidates if (c / "traces").is_dir()), None)
+
+
+def _beside(repo: Path) -> list[Path]:
+    """``shared`` beside ``repo`` and beside its main worktree."""
+    common = _git(repo, "rev-parse", "--git-common-dir")
+    main = [(repo / common).resolve().parent.parent / "shared"] if common else []
+    return [repo.resolve().parent / "shared", *main]
+
+
+def _git(repo: Path, *args: str) -> str:
+    try:
+        done = subprocess.run(["git", *args], cwd=repo, text=True, capture_output=True,
+                              check=False, timeout=30)
+    except OSError:  # no git
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 @pytest.fixture(scope="module")

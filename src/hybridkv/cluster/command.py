@@ -65,7 +65,8 @@ def _prefix(*, residency: bool) -> RouterBuilder:
         from hybridkv.cluster.prefix import make_prefix_router
 
         return make_prefix_router(n, config, trace, residency=residency,
-                                  load_weight=settings.load_weight)
+                                  load_weight=settings.load_weight,
+                                  bounded_load=settings.bounded_load)
     return build
 
 
@@ -122,6 +123,11 @@ def _single_policy(text: str, source: Source) -> str:
     return policies[0]
 
 
+EPOCH_SECONDS = 0.05
+"""``--clock time``: seconds per ``--sync-steps`` unit of the router's epoch (arrivals are
+routed at the first epoch start at or after them)."""
+
+
 def cmd_cluster(args: argparse.Namespace, console: Console, err_console: Console) -> int:
     outputs = check_output_paths([("--json", args.json), ("--plot", args.plot)])
     json_path, plot_path = outputs["--json"], outputs["--plot"]
@@ -146,10 +152,13 @@ def cmd_cluster(args: argparse.Namespace, console: Console, err_console: Console
     settings = ClusterSettings(
         num_instances=args.instances, sync_steps=args.sync_steps,
         concurrency=args.concurrency, load_weight=args.load_weight,
+        bounded_load=args.bounded_load,
         instance=InstanceSettings(max_running=replay_settings.max_running,
                                   chunk_size=replay_settings.chunk_size,
                                   admission=admissions[0],
-                                  check_invariants=replay_settings.check_invariants))
+                                  check_invariants=replay_settings.check_invariants,
+                                  timing=replay_settings.timing,
+                                  epoch_seconds=EPOCH_SECONDS * args.sync_steps))
     settings.validate()
     check_pool_holds_requests(source, config)
     jobs = args.jobs if args.jobs is not None else (
@@ -175,6 +184,9 @@ def cmd_cluster(args: argparse.Namespace, console: Console, err_console: Console
         "chunk_size": settings.instance.chunk_size, "sync_steps": settings.sync_steps,
         "concurrency": settings.max_in_flight, "admission": settings.instance.admission,
         "hash_algo": args.hash_algo, "eagle": args.eagle, "load_weight": args.load_weight,
+        "bounded_load": args.bounded_load,
+        **({"time_gpu": replay_settings.timing.label(config)}
+           if replay_settings.timing is not None else {}),
     })
     render_cluster_table(report, console, detail=args.detail)
     with StagedOutputs() as staged:
@@ -186,6 +198,22 @@ def cmd_cluster(args: argparse.Namespace, console: Console, err_console: Console
         staged.commit()
     del err_console
     return 0
+
+
+def _at_least_one(text: str) -> float:
+    """``--bounded-load``: a factor >= 1 (below 1 no instance could ever take a request).
+
+    >>> _at_least_one("1.25")
+    1.25
+    """
+    import argparse
+
+    from hybridkv.argtypes import non_negative_float
+
+    value = non_negative_float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number >= 1, got {text!r}")
+    return value
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser,
@@ -210,6 +238,11 @@ def add_cluster_arguments(parser: argparse.ArgumentParser,
                         help="prefix routers' score = matched tokens - WEIGHT x queued "
                         "prompt tokens (default 1: the prefill tokens computed before the "
                         "request's first token)")
+    parser.add_argument("--bounded-load", type=_at_least_one, default=None, metavar="C",
+                        help="prefix routers: an instance takes a request only while its "
+                        "backlog plus the request's uncached tokens stays within C x the "
+                        "mean (consistent hashing with bounded loads; 1.25 is the common "
+                        "default; off by default)")
     parser.add_argument("--sync-steps", type=positive_int, default=1,
                         help="steps between router view refreshes (events, load) and "
                         "dispatches (default 1)")

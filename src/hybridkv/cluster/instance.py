@@ -25,13 +25,14 @@ it, so serial, ``--jobs`` and ``--ray`` replays agree exactly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
 from hybridkv.sim.replay import LazyPrompt, OutputSampler, _PromptHasher, no_progress_error
-from hybridkv.sim.scheduler import SchedRequest, Scheduler
+from hybridkv.sim.scheduler import SchedRequest, Scheduler, StepPlan
+from hybridkv.sim.timed import RequestTimes, TimeSettings, arrival_times
 from hybridkv.sim.trace import OUTPUT_TOKEN_BASE, Trace
 
 OUTPUT_IDS_PER_INSTANCE = 1 << 50
@@ -51,6 +52,10 @@ class InstanceSettings:
     lookahead_requests: int = 256
     admission: str = "fcfs"
     check_invariants: bool = False
+    timing: TimeSettings | None = None
+    """``--clock time``: every instance's steps last what the cost model says and an epoch
+    is ``epoch_seconds`` long (``None``: the step clock)."""
+    epoch_seconds: float = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,8 @@ class Finished:
     trace_index: int
     prompt_tokens: int
     hit_tokens: int
+    times: RequestTimes | None = field(default=None, repr=False)
+    """``--clock time``: arrival, admission, first token and finish (seconds)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +103,8 @@ class InstanceResult:
     evicted_blocks: int = 0
     busy_steps: int = 0
     manager_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    """``--clock time``: seconds of steps the cost model gave this instance."""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -127,6 +136,14 @@ class Instance:
         self._index_of: dict[str, int] = {}
         self.busy_steps = 0
         self._epochs = 0
+        timing = settings.timing
+        self._cost = None if timing is None else timing.cost_model(config)
+        self._arrivals = [] if timing is None else arrival_times(
+            [r.arrival_seconds for r in trace.requests], time_scale=timing.time_scale,
+            rate=timing.rate, seed=timing.seed)
+        self.clock_s = 0.0
+        self.busy_seconds = 0.0
+        self._times: dict[str, RequestTimes] = {}
 
     def advance(self, arrivals: Sequence[int], num_steps: int) -> InstanceReport:
         """Queue ``arrivals`` (trace indices, in routing order) and run at most
@@ -141,13 +158,20 @@ class Instance:
                 session_id=request.session_id, phase=request.phase, tag=request.tag,
                 hash_prompt=self._hasher.for_request(request)
                 if self.config.enable_caching else None))
+            if self._cost is not None:
+                self._times[request.request_id] = RequestTimes(
+                    max(self._arrivals[index], self.clock_s), request.input_length)
         finished: list[Finished] = []
         queued: list[int] = []
-        for _ in range(num_steps):
-            if not scheduler.has_unfinished:
+        until = (self._epochs + 1) * self.settings.epoch_seconds
+        for _ in range(num_steps if self._cost is None else 1 << 62):
+            if not scheduler.has_unfinished or (self._cost is not None
+                                                and self.clock_s >= until):
                 break
             self._step(finished)
             queued.append(self.queued_tokens())
+        if self._cost is not None:
+            self.clock_s = max(self.clock_s, until)  # idle to the epoch's end
         events = self._take_events()
         return InstanceReport(self.index, tuple(finished), tuple(queued),
                               queued[-1] if queued else self.queued_tokens(),
@@ -162,14 +186,38 @@ class Instance:
         self.busy_steps += 1
         sampled = {chunk.req_id: self._sampler.sample(scheduler.requests[chunk.req_id])
                    for chunk in plan.chunks if chunk.samples}
+        if self._cost is not None:
+            self._time_step(plan, sampled)
         for req_id in scheduler.update(plan, sampled):
             request = scheduler.requests.pop(req_id)
             self._sampler.forget(req_id)
+            times = self._times.pop(req_id, None)
+            if times is not None:
+                times.finished_s = self.clock_s
             finished.append(Finished(self._index_of.pop(req_id),
                                      len(request.prompt_token_ids),
-                                     request.first_hit_tokens or 0))
+                                     request.first_hit_tokens or 0, times))
         if self.settings.check_invariants:
             self.manager.check_invariants()
+
+    def _time_step(self, plan: StepPlan, sampled: Mapping[str, int]) -> None:
+        """``--clock time``: the step lasts what the cost model says; stamp admissions
+        (the step's start) and first tokens (its end)."""
+        assert self._cost is not None
+        started = self.clock_s
+        seconds = self._cost.seconds(plan.chunks)
+        self.clock_s += seconds
+        self.busy_seconds += seconds
+        for chunk in plan.chunks:
+            times = self._times[chunk.req_id]
+            if chunk.req_id in plan.admitted and times.admitted_s is None:
+                times.admitted_s = started
+                times.hit_tokens = chunk.num_hit_tokens
+        for req_id in sampled:
+            times = self._times[req_id]
+            times.output_tokens += 1
+            if times.first_token_s is None:
+                times.first_token_s = self.clock_s
 
     def queued_tokens(self) -> int:
         """Prompt tokens routed here and not yet computed (or loaded from the cache)."""
@@ -199,7 +247,7 @@ class Instance:
             hit_tokens=stats.hits, preemptions=self.scheduler.num_preemptions,
             bridge_tokens=stats.bridge_tokens,
             evicted_blocks=sum(stats.evicted_blocks_by_group), busy_steps=self.busy_steps,
-            manager_seconds=self.manager.manager_seconds)
+            manager_seconds=self.manager.manager_seconds, busy_seconds=self.busy_seconds)
 
 
 def make_manager(config: CacheConfig, policy: str, events: bool) -> KVCacheManager:

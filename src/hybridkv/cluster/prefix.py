@@ -113,8 +113,9 @@ class PrefixRouter(Router):
 
     def __init__(self, num_instances: int, trace: Trace, hasher: BlockHasher, *,
                  residency: bool, load_weight: float = 1.0, locality: bool = True,
-                 self_paying: bool = False) -> None:
+                 self_paying: bool = False, bounded_load: float | None = None) -> None:
         super().__init__(num_instances)
+        self.bounded_load = bounded_load
         self.locality = locality
         self.self_paying = self_paying and residency
         self.name = "prefix-residency" if residency else "prefix-fa"
@@ -160,6 +161,10 @@ class PrefixRouter(Router):
                 candidates = self_paying_instances(queued, exact)
         else:
             exact = value = chains
+        if self.bounded_load is not None:
+            candidates = bounded_load_instances(
+                queued, [request.prompt_tokens - exact[i] for i in range(n)],
+                self.bounded_load, candidates)
         weight = self.load_weight
         best = min(candidates, key=lambda i: (
             -(value[i] - weight * queued[i]), -exact[i] if self.residency else 0,
@@ -251,15 +256,39 @@ def self_paying_instances(queued_tokens: Sequence[int],
             if queued_tokens[i] - queued_tokens[low] <= exact_hit_tokens[i]]
 
 
+def bounded_load_instances(queued_tokens: Sequence[int], uncached_tokens: Sequence[int],
+                           c: float, candidates: Sequence[int]) -> list[int]:
+    """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam), on
+    uncached prefill work: instance ``i`` may take the request only if its backlog plus
+    the request's uncached tokens there stays within ``c`` times the mean backlog after
+    placing it, ``q_i + u_i <= c · (Σ q + u_i) / n``; if none may (or ``candidates`` has
+    none that may), every candidate stays. The same rule for ``prefix-fa`` and
+    ``prefix-residency`` (only their hit estimate ``u_i = prompt − hit_i`` differs).
+
+    Worked example: backlogs 900, 100, 100, 100 and 200 uncached tokens everywhere: the
+    mean after placing is 350, the bound 437.5, so instance 0 (1,100) is out:
+
+    >>> bounded_load_instances([900, 100, 100, 100], [200] * 4, 1.25, range(4))
+    [1, 2, 3]
+    """
+    n = len(queued_tokens)
+    total = sum(queued_tokens)
+    allowed = [i for i in candidates
+               if queued_tokens[i] + uncached_tokens[i]
+               <= c * (total + uncached_tokens[i]) / n]
+    return allowed or list(candidates)
+
+
 def make_prefix_router(num_instances: int, config: CacheConfig, trace: Trace, *,
                        residency: bool, load_weight: float,
-                       locality: bool = True, self_paying: bool = False) -> PrefixRouter:
+                       locality: bool = True, self_paying: bool = False,
+                       bounded_load: float | None = None) -> PrefixRouter:
     hasher = BlockHasher(config.hash_block_size, config.hash_algo,
                          config.hash_lookahead_tokens)
     return PrefixRouter(num_instances, trace, hasher, residency=residency,
                         load_weight=load_weight, locality=locality,
-                        self_paying=self_paying)
+                        self_paying=self_paying, bounded_load=bounded_load)
 
 
-__all__ = ["FULL_KINDS", "GroupLayout", "PrefixRouter", "make_prefix_router",
-           "self_paying_instances"]
+__all__ = ["FULL_KINDS", "GroupLayout", "PrefixRouter", "bounded_load_instances",
+           "make_prefix_router", "self_paying_instances"]

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from hybridkv.cluster.simulate import ClusterRun
-from hybridkv.sim.table_layout import percent, report_table
+from hybridkv.sim.table_layout import percent, report_table, seconds
 
 CLUSTER_HELP = """\
 Columns: hit = cluster prefix-hit rate (first-admission hit tokens / prompt tokens, all
@@ -47,17 +47,20 @@ def render_cluster_table(report: ClusterReport, console: Console, *,
     rate, the instances' lowest and highest hit rate, load imbalance, preemptions, time;
     ``detail`` adds every instance's hit rate, the backlogs, steps and phantom hits."""
     n = int(str(report.settings.get("instances", 0)) or 0)
+    timed = any(run.time is not None for run in report.runs)
     table = report_table(f"{report.trace} on {report.model}, {n} instances, policy "
                          f"{report.policy}", ["router", "hit rate", "instances",
-                                              "imbalance", "preempt", "wall s"],
+                                              "imbalance", *(["TTFT p99"] if timed else []),
+                                              "preempt", "wall s"],
                          labels={"router"})
     best = max((run.hit_rate for run in report.runs), default=0.0)
     for run in report.runs:
         star = " *" if run.hit_rate == best and len(report.runs) > 1 else ""
         rates = [100 * r.hit_rate for r in run.instances]
         spread = f"{min(rates):.1f}–{max(rates):.1f}%" if rates else "n/a"
+        ttft = [seconds(run.time["ttft_p99_s"]) if run.time else "–"] if timed else []
         table.add_row(run.router + star, percent(run.hit_rate), spread,
-                      f"{run.load_imbalance:.2f}", f"{run.preemptions:,}",
+                      f"{run.load_imbalance:.2f}", *ttft, f"{run.preemptions:,}",
                       f"{run.seconds:.1f}")
     console.print(table)
     settings = report.settings
@@ -82,6 +85,18 @@ def _render_detail(report: ClusterReport, console: Console) -> None:
                       f"{run.phantom_hit_tokens:,}",
                       " ".join(f"{100 * r.hit_rate:.1f}" for r in run.instances))
     console.print(table)
+    timed = [run for run in report.runs if run.time is not None]
+    if timed:
+        times = report_table(f"time model ({report.settings.get('time_gpu', '')}): latency "
+                             "per router", [
+            "router", "TTFT p50", "p90", "p99", "TPOT p50", "queue p99", "in tok/s",
+            "busy"], labels={"router"})
+        for run in timed:
+            t = run.time or {}
+            times.add_row(run.router, *(seconds(t[k]) for k in (
+                "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "queue_p99_s")),
+                f"{t['input_tokens_per_s']:,.0f}", percent(t["busy_fraction"]))
+        console.print(times)
 
 
 def plot_cluster(report: ClusterReport, path: Path, *, format: str = "png") -> None:

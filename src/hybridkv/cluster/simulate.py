@@ -47,6 +47,14 @@ from hybridkv.cluster.instance import (
 from hybridkv.cluster.routers import Load, Route, Router, RouteRequest
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError, InvariantViolation
+from hybridkv.sim.timed import (
+    SLO,
+    RequestTimes,
+    TimedRun,
+    TimeSettings,
+    arrival_times,
+    summarise,
+)
 from hybridkv.sim.trace import Trace
 
 
@@ -62,6 +70,9 @@ class ClusterSettings:
     instance: InstanceSettings = field(default_factory=InstanceSettings)
     load_weight: float = 1.0
     """Prefix routers: score = matched tokens - ``load_weight`` x queued prompt tokens."""
+    bounded_load: float | None = None
+    """Prefix routers: the bounded-load rule's ``c`` (``prefix.bounded_load_instances``;
+    ``None``: off)."""
 
     @property
     def max_in_flight(self) -> int:
@@ -183,6 +194,11 @@ class ClusterRun:
     ``max(0, predicted - actual first-admission hit)``."""
     routed_by_instance: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    request_times: dict[str, RequestTimes] = field(default_factory=dict)
+    """``--clock time``: each finished request's times (empty on the step clock)."""
+    time: dict[str, float] | None = None
+    """``--clock time``: ``sim.timed.summarise`` of the requests, ``busy_fraction`` over
+    every instance (``None`` on the step clock)."""
 
     @property
     def requests(self) -> int:
@@ -241,6 +257,7 @@ class ClusterRun:
             "predicted_hit_tokens": self.predicted_hit_tokens,
             "phantom_hit_tokens": self.phantom_hit_tokens,
             "wall_seconds": round(self.seconds, 4),
+            **({"time": {k: round(v, 6) for k, v in self.time.items()}} if self.time else {}),
             "instances": [{
                 "instance": r.instance, "requests": r.requests,
                 "prompt_tokens": r.prompt_tokens, "hit_tokens": r.hit_tokens,
@@ -268,52 +285,110 @@ def run_cluster(trace: Trace, router: Router, backend: Backend, settings: Cluste
     predicted: dict[int, int] = {}
     run = ClusterRun(router.name, [], routed_by_instance=[0] * n)
     total = len(trace.requests)
-    epoch = settings.sync_steps
+    timing = settings.instance.timing
+    clock = None if timing is None else ArrivalClock(trace, timing,
+                                                     settings.instance.epoch_seconds)
     while dispatcher.num_unfinished:
-        arrivals: dict[int, list[int]] = {}
-        released = dispatcher.release()
-        for index in released:
-            request = trace.requests[index]
-            route: Route = router.route(
-                RouteRequest(index, request.request_id, request.session_id,
-                             request.input_length), loads)
-            if not 0 <= route.instance < n:
-                raise InvariantViolation(f"router {router.name!r} chose instance "
-                                         f"{route.instance} of {n}")
-            arrivals.setdefault(route.instance, []).append(index)
-            load = loads[route.instance]
-            load.queued_tokens += request.input_length
-            load.num_requests += 1
-            run.routed_by_instance[route.instance] += 1
-            if route.predicted_hit_tokens:
-                predicted[index] = route.predicted_hit_tokens
-        reports = backend.advance(arrivals, epoch)
+        released = dispatcher.release() if clock is None else clock.release()
+        arrivals = _route(trace, router, released, loads, run, predicted)
+        reports = backend.advance(arrivals, settings.sync_steps)
         busy = max((len(r.queued_tokens_by_step) for r in reports), default=0)
-        if busy == 0 and not released:
+        if busy == 0 and not released and (clock is None or (
+                clock.done and not any(r.num_requests for r in reports))):
             raise InvariantViolation("cluster replay stalled: requests are unfinished but "
                                      "none is queued or released")
-        for step in range(busy):
-            backlog = [r.queued_tokens_by_step[step] if step < len(r.queued_tokens_by_step)
-                       else 0 for r in reports]
-            top = max(backlog)
-            run.backlog_max_sum += top
-            run.backlog_mean_sum += sum(backlog) / n
-            run.backlog_peak = max(run.backlog_peak, top)
-        run.steps += busy
+        _count_backlogs(run, reports, busy, n)
         for report in reports:
             loads[report.instance] = Load(report.queued_tokens, report.num_requests)
             if report.events:
                 router.observe(report.instance, report.events)
             for done in report.finished:
                 dispatcher.finished(done.trace_index)
+                if done.times is not None:
+                    run.request_times[trace.requests[done.trace_index].request_id] = \
+                        done.times
                 guess = predicted.pop(done.trace_index, 0)
                 run.predicted_hit_tokens += guess
                 run.phantom_hit_tokens += max(0, guess - done.hit_tokens)
         if progress is not None:
             progress(total - dispatcher.num_unfinished, total)
     run.instances = backend.results()
+    if timing is not None:
+        run.time = cluster_time_summary(run, timing.slo, n)
     run.seconds = time.perf_counter() - started
     return run
+
+
+class ArrivalClock:
+    """``--clock time``: open-loop release, epoch by epoch: at the start of epoch ``k``
+    (``k · epoch_seconds``) every request that has arrived by then is routed."""
+
+    def __init__(self, trace: Trace, timing: TimeSettings, epoch_seconds: float) -> None:
+        times = arrival_times([r.arrival_seconds for r in trace.requests],
+                              time_scale=timing.time_scale, rate=timing.rate,
+                              seed=timing.seed)
+        self._pending = deque(sorted((t, i) for i, t in enumerate(times)))
+        self._epoch_seconds = epoch_seconds
+        self._epoch = 0
+
+    @property
+    def done(self) -> bool:
+        return not self._pending
+
+    def release(self) -> list[int]:
+        now = self._epoch * self._epoch_seconds
+        self._epoch += 1
+        released = []
+        while self._pending and self._pending[0][0] <= now:
+            released.append(self._pending.popleft()[1])
+        return released
+
+
+def _route(trace: Trace, router: Router, released: Sequence[int], loads: list[Load],
+           run: ClusterRun, predicted: dict[int, int]) -> dict[int, list[int]]:
+    """Route the released requests in order; each updates its instance's load view."""
+    arrivals: dict[int, list[int]] = {}
+    n = len(loads)
+    for index in released:
+        request = trace.requests[index]
+        route: Route = router.route(
+            RouteRequest(index, request.request_id, request.session_id,
+                         request.input_length), loads)
+        if not 0 <= route.instance < n:
+            raise InvariantViolation(f"router {router.name!r} chose instance "
+                                     f"{route.instance} of {n}")
+        arrivals.setdefault(route.instance, []).append(index)
+        load = loads[route.instance]
+        load.queued_tokens += request.input_length
+        load.num_requests += 1
+        run.routed_by_instance[route.instance] += 1
+        if route.predicted_hit_tokens:
+            predicted[index] = route.predicted_hit_tokens
+    return arrivals
+
+
+def _count_backlogs(run: ClusterRun, reports: Sequence[InstanceReport], busy: int,
+                    n: int) -> None:
+    """Add the epoch's per-step backlogs to the run's balance sums."""
+    for step in range(busy):
+        backlog = [r.queued_tokens_by_step[step] if step < len(r.queued_tokens_by_step)
+                   else 0 for r in reports]
+        top = max(backlog)
+        run.backlog_max_sum += top
+        run.backlog_mean_sum += sum(backlog) / n
+        run.backlog_peak = max(run.backlog_peak, top)
+    run.steps += busy
+
+
+def cluster_time_summary(run: ClusterRun, slo: SLO | None,
+                         num_instances: int) -> dict[str, float]:
+    """``sim.timed.summarise`` over every instance's requests; the busy fraction is the
+    instances' busy seconds over ``num_instances`` x the makespan."""
+    summary = summarise(TimedRun(dict(run.request_times)), slo)
+    span = summary["makespan_s"] or 1e-12
+    summary["busy_fraction"] = sum(r.busy_seconds for r in run.instances) / (
+        num_instances * span)
+    return summary
 
 
 def serial_backend(trace: Trace, config: CacheConfig, policy: str,

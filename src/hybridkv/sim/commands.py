@@ -49,6 +49,7 @@ from hybridkv.sim.report import (
     render_table,
 )
 from hybridkv.sim.task_feed import TaskFeed
+from hybridkv.sim.timed import parse_time_settings
 from hybridkv.sim.trace import Trace
 from hybridkv.sim.workloads import (
     WORKLOAD_DEFAULTS,
@@ -215,8 +216,29 @@ def resolve_settings(args: argparse.Namespace, source: Source) -> ReplaySettings
     for flag, value in (("--max-running", max_running), ("--chunk-size", chunk_size)):
         if value <= 0:
             raise ConfigError(flag, value, "must be a positive integer")
+    timing = parse_time_settings(
+        clock=getattr(args, "clock", "step"), model=_model_name(args), gpu=args.gpu,
+        tp=args.tp, time_scale=args.time_scale, rate=args.rate,
+        slo=args.slo) if getattr(args, "clock", "step") != "step" else None
+    if timing is not None and timing.rate is None and any(
+            r.arrival_seconds is None for t in source.scenarios.values() for r in t.requests):
+        raise ConfigError("--clock", "time", f"{source.name} has no arrival times: add "
+                          "--rate REQUESTS_PER_SECOND (Poisson arrivals)")
     return ReplaySettings(max_running=max_running, chunk_size=chunk_size,
-                          check_invariants=bool(getattr(args, "paranoid", False)))
+                          check_invariants=bool(getattr(args, "paranoid", False)),
+                          timing=timing)
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    """The preset whose matrix sizes the time model uses; ``""`` for a sweep's several
+    models (each cell sets its own: ``sim.sweep.replay_cell``)."""
+    model = args.model or DEFAULT_MODEL
+    if isinstance(model, list):
+        names = [n for m in model for n in m.split(",") if n]
+        if len(names) != 1:
+            return ""
+        model = names[0]
+    return Path(model).stem if model.endswith(".toml") else model
 
 
 def resolve_pool(num_blocks: int | None, kv_memory: str | None, shape: ModelShape,

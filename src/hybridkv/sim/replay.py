@@ -22,7 +22,8 @@ from hybridkv.ids import BlockHash
 from hybridkv.sim.bound import AdmissionLog, BoundShape
 from hybridkv.sim.bound_share import set_bounds, shared_bounds
 from hybridkv.sim.misses import MissCauses, ObservedManager
-from hybridkv.sim.scheduler import SchedRequest, Scheduler
+from hybridkv.sim.scheduler import SchedRequest, Scheduler, StepPlan
+from hybridkv.sim.timed import ModelClock, TimedRun, TimeSettings, arrival_times, drive, summarise
 from hybridkv.sim.trace import (
     OUTPUT_TOKEN_BASE,
     Trace,
@@ -62,6 +63,9 @@ class ReplaySettings:
     """Admission order (``sim.admission.ORDERS``); ``fcfs`` is the protocol."""
     observers: tuple[ReplayObserver, ...] = ()
     """Called around every replay (``hybridkv replay --events / --metrics``)."""
+    timing: TimeSettings | None = None
+    """``--clock time``: open-loop arrivals, steps timed by the cost model (``None``: the
+    step clock, the protocol)."""
 
     def __reduce__(self) -> tuple[type[ReplaySettings], tuple[object, ...]]:
         """Pickle through the constructor (sweep cells travel to ``--jobs`` / Ray workers):
@@ -127,6 +131,12 @@ class RunResult:
     bound_hit_tokens: int | None = None
     """Hit tokens of ``bound`` for this run's admissions (``attach_bounds``)."""
     bound_fa_hit_tokens: int | None = None
+    time: dict[str, float] | None = None
+    """``--clock time``: ``sim.timed.summarise`` of the run (``None`` on the step clock)."""
+    request_times: list[dict[str, object]] | None = None
+    """``--clock time``: per request (trace order) arrival, TTFT, TPOT, e2e, queueing."""
+    time_label: str = ""
+    """The GPU the times are for (``"... (scaled from h200)"`` when not calibrated on it)."""
 
     @property
     def hit_rate(self) -> float:
@@ -366,46 +376,88 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
     for observer in observers:
         observer.attach(manager, scheduler, policy if settings.admission == "fcfs"
                         else f"{policy} [{settings.admission}]")
-    sched_requests: list[SchedRequest] = []
     prompt_hasher = _PromptHasher(manager.hasher)
-    for index, request in enumerate(trace.requests):
-        # A trace may say 0 output tokens; an engine always samples at least one.
-        sched_request = SchedRequest(
-            request.request_id, LazyPrompt(request, index), max(1, request.output_length),
-            session_id=request.session_id, phase=request.phase, tag=request.tag,
-            hash_prompt=prompt_hasher.for_request(request) if config.enable_caching else None)
-        sched_requests.append(sched_request)
-        scheduler.add_request(sched_request)
+    timing = settings.timing
+    sched_requests = _sched_requests(trace, config, prompt_hasher)
+    if timing is None:  # the step clock: everything queued at once (closed loop)
+        for sched_request in sched_requests:
+            scheduler.add_request(sched_request)
     sampler = OutputSampler(trace)
-    num_finished = 0
+    finished_count = [0]
     num_requests = len(sched_requests)
-    while scheduler.has_unfinished:
-        plan = scheduler.schedule()
+
+    def sample(plan: StepPlan) -> dict[str, int]:
         if not plan.chunks:
             raise no_progress_error(trace, policy, config, manager, scheduler, plan.preempted)
-        sampled = {
-            chunk.req_id: sampler.sample(scheduler.requests[chunk.req_id])
-            for chunk in plan.chunks if chunk.samples
-        }
-        finished = scheduler.update(plan, sampled)
+        return {chunk.req_id: sampler.sample(scheduler.requests[chunk.req_id])
+                for chunk in plan.chunks if chunk.samples}
+
+    def after_step(plan: StepPlan, finished: Sequence[str]) -> None:
         for req_id in finished:  # the replay never reads outputs back: keep memory flat
             scheduler.requests[req_id].output_token_ids = []
-        num_finished += len(finished)
+        finished_count[0] += len(finished)
         if settings.check_invariants:
             manager.check_invariants()
         if progress is not None:
-            progress(num_finished, num_requests)
+            progress(finished_count[0], num_requests)
         for observer in observers:
             observer.on_step(manager, scheduler)
+
+    timed = _run(trace, config, scheduler, sched_requests, timing, sample, after_step)
     result = _collect(policy, config, manager, scheduler, sched_requests, started)
     result.hash_seconds += prompt_hasher.seconds
     result.scheduler_seconds = scheduler.seconds
     result.misses = manager.misses
     result.misses_by_tag = manager.misses_by_tag
     result.log = manager.log
+    if timed is not None and timing is not None:
+        _attach_times(result, timed, timing, config)
     for observer in observers:
         observer.detach(manager, scheduler, result.misses.as_dict())
     return result
+
+
+def _sched_requests(trace: Trace, config: CacheConfig, prompt_hasher: _PromptHasher,
+                    ) -> list[SchedRequest]:
+    """The trace's requests as the scheduler sees them (prompts expanded lazily). A trace
+    may say 0 output tokens; an engine always samples at least one."""
+    return [SchedRequest(
+        request.request_id, LazyPrompt(request, index), max(1, request.output_length),
+        session_id=request.session_id, phase=request.phase, tag=request.tag,
+        hash_prompt=prompt_hasher.for_request(request) if config.enable_caching else None)
+        for index, request in enumerate(trace.requests)]
+
+
+def _run(trace: Trace, config: CacheConfig, scheduler: Scheduler,
+         sched_requests: Sequence[SchedRequest], timing: TimeSettings | None,
+         sample: Callable[[StepPlan], dict[str, int]],
+         after_step: Callable[[StepPlan, Sequence[str]], None]) -> TimedRun | None:
+    """Drive the scheduler to the end: the step clock (requests already queued), or
+    ``--clock time`` (``sim.timed.drive``: open-loop arrivals, steps timed by the cost
+    model; returns the timed run)."""
+    if timing is None:
+        while scheduler.has_unfinished:
+            plan = scheduler.schedule()
+            after_step(plan, scheduler.update(plan, sample(plan)))
+        return None
+    cost = timing.cost_model(config)
+    arrivals = arrival_times([r.arrival_seconds for r in trace.requests],
+                             time_scale=timing.time_scale, rate=timing.rate, seed=timing.seed)
+    return drive(scheduler, list(zip(arrivals, sched_requests, strict=True)), sample,
+                 ModelClock(), step_seconds=lambda plan: cost.seconds(plan.chunks),
+                 on_step=after_step)
+
+
+def _attach_times(result: RunResult, timed: TimedRun, timing: TimeSettings,
+                  config: CacheConfig) -> None:
+    """The run's time summary and per-request times (``--clock time``)."""
+    result.time = summarise(timed, timing.slo)
+    result.request_times = [
+        {"id": rid, "arrival_s": round(t.arrival_s, 6), "ttft_s": round(t.ttft_s, 6),
+         "tpot_s": round(t.tpot_s, 6), "e2e_s": round(t.e2e_s, 6),
+         "queue_s": round(t.queue_s, 6), "hit_tokens": t.hit_tokens}
+        for rid, t in timed.requests.items()]
+    result.time_label = timing.label(config)
 
 
 def no_progress_error(trace: Trace, policy: str, config: CacheConfig, manager: KVCacheManager,

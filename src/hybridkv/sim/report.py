@@ -9,11 +9,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.table import Table
 
 from hybridkv.sim.limits import format_bytes
 from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.replay import RunResult, TagTotals
-from hybridkv.sim.table_layout import CAUSE_LABELS, largest_miss, percent, report_table
+from hybridkv.sim.table_layout import (
+    CAUSE_LABELS,
+    largest_miss,
+    percent,
+    report_table,
+    seconds,
+)
 
 if TYPE_CHECKING:  # sweep imports the commands, which import this module
     from hybridkv.sim.sweep import Cell
@@ -120,6 +127,9 @@ def _run_json(result: RunResult) -> dict[str, object]:
         "bound_fa_hit_tokens": result.bound_fa_hit_tokens,
         "miss_tokens": result.misses.as_dict(),
         "miss_shares": {k: round(v, 6) for k, v in result.misses.shares().items()},
+        **({"time": {k: round(v, 6) for k, v in result.time.items()},
+            "time_gpu": result.time_label, "request_times": result.request_times}
+           if result.time is not None else {}),
     }
 
 
@@ -128,17 +138,20 @@ def render_table(report: Report, console: Console, *, detail: bool = False) -> N
     largest miss cause, time; ``ceiling`` in the title, the best hit rate starred) and,
     with ``detail``, the tables of the rest (miss causes, tokens, waiting and time)."""
     show_admission = any(run.result.admission != "fcfs" for run in report.runs)
+    timed = any(run.result.time is not None for run in report.runs)
     table = report_table(
         f"{report.trace} on {report.model} · ceiling {percent(report.ceiling)}",
         ["policy", *(["admission"] if show_admission else []), "hit rate", "bound",
-         "largest miss", "wall s"], labels={"policy", "admission"})
+         *(["TTFT p99"] if timed else []), "largest miss", "wall s"],
+        labels={"policy", "admission"})
     best = max((r.result.hit_rate for r in report.runs), default=0.0)
     for run in report.runs:
         r = run.result
         mark = " *" if r.hit_rate == best and len(report.runs) > 1 else ""
+        ttft = [seconds(r.time["ttft_p99_s"]) if r.time else "–"] if timed else []
         table.add_row(f"{r.policy}{mark}", *([r.admission] if show_admission else []),
-                      percent(r.hit_rate), percent(r.bound), largest_miss(r.misses.shares()),
-                      f"{r.wall_seconds:.2f}")
+                      percent(r.hit_rate), percent(r.bound), *ttft,
+                      largest_miss(r.misses.shares()), f"{r.wall_seconds:.2f}")
     console.print(table)
     pool = pool_line(report.settings)
     if pool:
@@ -175,12 +188,34 @@ def _render_detail(report: Report, console: Console) -> None:
         times.add_row(label, f"{r.wait_p50_steps:,.0f}", f"{r.wait_p99_steps:,.0f}",
                       f"{r.wait_max_steps:,}", f"{r.steps:,}", f"{r.manager_seconds:.2f}",
                       f"{r.scheduler_seconds:.2f}", f"{r.wall_seconds:.2f}")
-    for table in (causes, tokens, times):
+    tables = [causes, tokens, times]
+    timed = [run.result for run in report.runs if run.result.time is not None]
+    if timed:
+        tables.append(_time_table(timed))
+    for table in tables:
         console.print(table)
     console.print(f"bound_fa: the offline optimum over full-attention blocks only (the "
                   f"largest: {percent(report.bound_fa)}); wait: steps from eligibility to "
                   "first admission (the replay has no time model); sched s: manager + "
                   "scheduler time.", style="dim", soft_wrap=True)
+
+
+def _time_table(results: Sequence[RunResult]) -> Table:
+    """``--clock time``: latency percentiles, input throughput, goodput, busy fraction
+    (e2e latency, output throughput and the share meeting the SLO: ``--json``)."""
+    goodput = any("goodput_rps" in (r.time or {}) for r in results)
+    table = report_table(f"time model ({results[0].time_label})",
+                         ["policy", "TTFT p50", "p90", "p99", "TPOT p50", "queue p99",
+                          "in tok/s", *(["goodput/s"] if goodput else []), "busy"],
+                         labels={"policy"})
+    for r in results:
+        t = r.time or {}
+        table.add_row(_label(r), *(seconds(t[k]) for k in (
+            "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "queue_p99_s")),
+            f"{t['input_tokens_per_s']:,.0f}",
+            *([f"{t.get('goodput_rps', 0.0):.2f}"] if goodput else []),
+            percent(t["busy_fraction"]))
+    return table
 
 
 def pool_line(settings: Mapping[str, object]) -> str:
@@ -423,9 +458,17 @@ def plot_sweep(rows: Sequence[Mapping[str, object]], path: Path, *,
 
     traces = list(dict.fromkeys(str(r["trace"]) for r in rows))
     models = list(dict.fromkeys(str(r["model"]) for r in rows))
-    fig, axes = plt.subplots(len(traces), len(models), squeeze=False,
-                             figsize=(6.5 * len(models), 4.2 * len(traces)))
+    timed = any(r.get("goodput_rps") is not None for r in rows)
+    fig, axes = plt.subplots(len(traces) * (2 if timed else 1), len(models), squeeze=False,
+                             figsize=(6.5 * len(models),
+                                      4.2 * len(traces) * (2 if timed else 1)))
     lines = list(dict.fromkeys((str(r["policy"]), str(r["admission"])) for r in rows))
+    if timed:
+        for (ti, trace), (mi, model) in ((t, m) for t in enumerate(traces)
+                                         for m in enumerate(models)):
+            panel = [r for r in rows if r["trace"] == trace and r["model"] == model
+                     and not is_too_small(r)]
+            _plot_goodput(axes[len(traces) + ti][mi], lines, panel, f"{trace} on {model}")
     for (ti, trace), (mi, model) in ((t, m) for t in enumerate(traces)
                                      for m in enumerate(models)):
         ax = axes[ti][mi]
@@ -449,6 +492,39 @@ def plot_sweep(rows: Sequence[Mapping[str, object]], path: Path, *,
     fig.tight_layout()
     fig.savefig(path, dpi=110, format=format)
     plt.close(fig)
+
+
+SLO_ATTAINMENT = 0.9
+"""A pool "meets the SLO" when this share of its requests meet ``--slo`` (the goodput
+plot marks the smallest such pool of each policy)."""
+
+
+def _plot_goodput(ax: Any, lines: Sequence[tuple[str, str]],
+                  panel: Sequence[Mapping[str, object]], title: str) -> None:
+    """``--clock time`` sweeps: goodput (requests/s meeting ``--slo``) against KV memory,
+    one line per policy, a star on the smallest pool where ``SLO_ATTAINMENT`` of the
+    requests meet the SLO."""
+    for number, line in enumerate(lines):
+        points = sorted((int(str(r["pool_bytes"])) / 2**30, float(str(r["goodput_rps"])),
+                         float(str(r.get("slo_attained") or 0.0)))
+                        for r in panel if (r["policy"], r["admission"]) == line
+                        and r.get("goodput_rps") is not None)
+        if not points:
+            continue
+        color = SWEEP_POLICY_COLORS[number % len(SWEEP_POLICY_COLORS)]
+        label = line[0] if line[1] == "fcfs" else f"{line[0]} [{line[1]}]"
+        ax.plot([p[0] for p in points], [p[1] for p in points], color=color,
+                marker=_MARKERS[number % len(_MARKERS)], markerfacecolor="none", label=label)
+        meets = [p for p in points if p[2] >= SLO_ATTAINMENT]
+        if meets:
+            ax.plot([meets[0][0]], [meets[0][1]], marker="*", markersize=14, color=color,
+                    linestyle="none")
+    ax.set_xlabel("KV memory (GiB)")
+    ax.set_ylabel("goodput (requests/s within the SLO)")
+    ax.set_title(f"{title}: goodput (* smallest pool with {SLO_ATTAINMENT:.0%} within "
+                 "the SLO)", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def _plot_policy_line(ax: Any, number: int, line: tuple[str, str],

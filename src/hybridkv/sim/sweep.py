@@ -60,6 +60,7 @@ from hybridkv.sim.commands import (
 from hybridkv.sim.misses import MISS_CAUSES
 from hybridkv.sim.model import ModelShape
 from hybridkv.sim.replay import ReplaySettings, RunResult
+from hybridkv.sim.timed import TimeSettings
 
 KEY_FORMAT = 2
 """Bumped when the key material or the row layout changes (old rows are then ignored)."""
@@ -82,6 +83,10 @@ ROW_FIELDS = (
     "wait_max_steps", *TIMING_FIELDS, "key",
 )
 """Columns of the CSV, in order (the JSON has the same fields per cell)."""
+
+TIME_FIELDS = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "goodput_rps", "slo_attained",
+               "busy_fraction", "time_gpu")
+"""``--clock time`` columns, after ``ROW_FIELDS`` (absent on the step clock)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +187,7 @@ def key_material(source_identity: Mapping[str, object], shape: ModelShape, num_b
                      "reserve_full_prompt": settings.reserve_full_prompt,
                      "lookahead_requests": settings.lookahead_requests,
                      "hash_algo": options.hash_algo, "eagle": options.eagle},
+        **({"timing": time_key(settings.timing)} if settings.timing is not None else {}),
     }
 
 
@@ -213,11 +219,31 @@ class CellBoundTask:
     keys: BoundKeys
 
 
+def time_key(timing: TimeSettings) -> dict[str, object]:
+    """``--clock time`` settings in a cell's key (everything but the per-cell model)."""
+    return {"gpu": timing.gpu, "tp": timing.tp, "time_scale": timing.time_scale,
+            "rate": timing.rate, "seed": timing.seed,
+            "slo": None if timing.slo is None else [timing.slo.ttft_s, timing.slo.tpot_s]}
+
+
+def time_columns(result: RunResult) -> dict[str, object]:
+    """A row's ``--clock time`` columns (none on the step clock)."""
+    if result.time is None:
+        return {}
+    t = result.time
+    return {"ttft_p50_s": t["ttft_p50_s"], "ttft_p99_s": t["ttft_p99_s"],
+            "tpot_p50_s": t["tpot_p50_s"], "goodput_rps": t.get("goodput_rps"),
+            "slo_attained": t.get("slo_attained"),
+            "busy_fraction": t["busy_fraction"], "time_gpu": result.time_label}
+
+
 def replay_cell(source: Source, shape: ModelShape, cell: Cell, options: CellOptions,
                 progress: Progress | None = None) -> CellReplay | CellError:
     """Replay one cell (no bounds yet); ``CellError`` when the pool is too small for some
     request."""
     settings = replace(options.settings, admission=cell.admission)
+    if settings.timing is not None:  # the cell's own model sizes its steps
+        settings = replace(settings, timing=replace(settings.timing, model=shape.name))
     config = shape.cache_config(cell.num_blocks, hash_algo=options.hash_algo,
                                 use_eagle=options.eagle,
                                 max_num_batched_tokens=settings.chunk_size)
@@ -276,8 +302,9 @@ def cell_row(source: Source, shape: ModelShape, cell: Cell, replayed: CellReplay
         "wait_max_steps": result.wait_max_steps,
         "manager_seconds": round(result.manager_seconds, 4),
         "wall_seconds": round(result.wall_seconds, 4), "key": cell.key,
+        **time_columns(result),
     }
-    assert tuple(row) == ROW_FIELDS
+    assert tuple(row) in (ROW_FIELDS, ROW_FIELDS + TIME_FIELDS)
     return row
 
 
@@ -339,6 +366,7 @@ __all__ = [
     "ROW_FIELDS",
     "STATUS_OK",
     "STATUS_TOO_SMALL",
+    "TIME_FIELDS",
     "TIMING_FIELDS",
     "Cell",
     "CellBoundTask",

@@ -44,6 +44,7 @@ from hybridkv.sim.outputs import StagedOutputs, check_output_paths
 from hybridkv.sim.report import plot_sweep, render_sweep_cells
 from hybridkv.sim.sweep import (
     ROW_FIELDS,
+    TIME_FIELDS,
     Cell,
     CellError,
     CellOptions,
@@ -286,7 +287,9 @@ def _labelled(row: Row, cell: Cell) -> Row:
 
 def _write_csv(rows: Sequence[Row], path: Path) -> None:
     with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(ROW_FIELDS), extrasaction="ignore")
+        timed = any("ttft_p99_s" in row for row in rows)
+        writer = csv.DictWriter(handle, fieldnames=list(ROW_FIELDS) + (
+            list(TIME_FIELDS) if timed else []), extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
 

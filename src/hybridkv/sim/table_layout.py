@@ -78,4 +78,16 @@ def percent(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.2f}%"
 
 
-__all__ = ["CAUSE_LABELS", "LABEL_MIN_WIDTH", "largest_miss", "percent", "report_table"]
+__all__ = ["CAUSE_LABELS", "LABEL_MIN_WIDTH", "largest_miss", "percent", "report_table",
+           "seconds"]
+
+
+def seconds(value: float) -> str:
+    """A duration for a table cell.
+
+    >>> seconds(0.0421), seconds(12.345), seconds(4321.0)
+    ('42 ms', '12.3 s', '4,321 s')
+    """
+    if value < 1:
+        return f"{value * 1e3:.0f} ms"
+    return f"{value:.1f} s" if value < 100 else f"{value:,.0f} s"

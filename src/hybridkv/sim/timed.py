@@ -33,8 +33,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError, InvariantViolation
 from hybridkv.sim.scheduler import SchedRequest, Scheduler, StepPlan
+from hybridkv.timing import StepCostModel, cost_model, gpu_named
 
 
 def arrival_times(arrivals: Sequence[float | None], *, time_scale: float = 1.0,
@@ -184,10 +186,10 @@ def drive(scheduler: Scheduler, arrivals: Sequence[tuple[float, SchedRequest]],
             continue
         started = clock.now()
         plan = scheduler.schedule()
+        sampled = execute(plan)  # may raise its own error for an empty plan
         if not plan.chunks:
             raise InvariantViolation(f"step {scheduler.num_steps}: nothing could be "
                                      "scheduled (the pool cannot hold the next request)")
-        sampled = execute(plan)
         if step_seconds is not None:
             clock.advance(step_seconds(plan))
         done = clock.now()
@@ -291,3 +293,71 @@ def summarise(run: TimedRun, slo: SLO | None = None) -> dict[str, float]:
         out["goodput_rps"] = good / span
         out["slo_attained"] = good / len(reqs) if reqs else 0.0
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class TimeSettings:
+    """``--clock time``: the cost model (``model`` preset on ``gpu`` × ``tp``) and the
+    arrival process (``time_scale``, ``rate``, ``seed``), goodput's ``slo``."""
+
+    model: str
+    gpu: str = "h200"
+    tp: int = 1
+    time_scale: float = 1.0
+    rate: float | None = None
+    seed: int = 0
+    slo: SLO | None = None
+
+    def __post_init__(self) -> None:
+        if self.rate is not None and not self.rate > 0:
+            raise ConfigError("--rate", self.rate, "requests per second, > 0")
+        if not self.time_scale > 0:
+            raise ConfigError("--time-scale", self.time_scale,
+                              "a positive factor (1 = trace times, 0.5 = twice the rate)")
+
+    def cost_model(self, config: CacheConfig) -> StepCostModel:
+        """The step-cost model of ``config``'s layers (one spec per layer of each group)."""
+        if not self.model:
+            raise ConfigError("model", self.model, "--clock time needs the model preset")
+        layers = [group.spec for group in config.groups for _ in group.layer_ids]
+        return cost_model(self.model, layers, self.gpu, self.tp)
+
+    def label(self, config: CacheConfig) -> str:
+        """What reports print: GPU, tensor parallelism, the calibration (or "scaled").
+
+        >>> from hybridkv.specs import FullAttentionSpec
+        >>> from hybridkv.config import CacheConfig
+        >>> config = CacheConfig.from_layers([FullAttentionSpec(16, 4096)] * 32, 10)
+        >>> TimeSettings("mistral-7b", gpu="b200", tp=2).label(config)
+        'NVIDIA B200 x2 (scaled from h200)'
+        """
+        model = self.cost_model(config)
+        text = model.gpu.name + (f" x{self.tp}" if self.tp > 1 else "")
+        return text + (f" (scaled from {model.efficiencies.gpu})" if model.scaled else "")
+
+
+def parse_time_settings(*, clock: str, model: str, gpu: str, tp: int, time_scale: float,
+                        rate: float | None, slo: str | None) -> TimeSettings | None:
+    """The ``--clock`` family of flags as settings (``None``: the step clock).
+
+    >>> parse_time_settings(clock="step", model="x", gpu="h200", tp=1, time_scale=1.0,
+    ...                     rate=None, slo=None) is None
+    True
+    >>> parse_time_settings(clock="wall", model="x", gpu="h200", tp=1, time_scale=1.0,
+    ...                     rate=None, slo=None)
+    Traceback (most recent call last):
+    ...
+    hybridkv.errors.ConfigError: --clock='wall' is invalid: choose step (the default: \
+scheduler steps) or time (seconds from the step-time model)
+    """
+    if clock == "step":
+        return None
+    if clock != "time":
+        raise ConfigError("--clock", clock, "choose step (the default: scheduler steps) or "
+                          "time (seconds from the step-time model)")
+    try:  # a bad --gpu or --slo fails here, before any replay
+        gpu_named(gpu)
+        limits = SLO.parse(slo) if slo else None
+    except ConfigError as err:
+        raise ConfigError(f"--{err.field}", err.value, err.fix) from None
+    return TimeSettings(model, gpu, tp, time_scale, rate, 0, limits)

@@ -133,6 +133,11 @@ class StepCostModel:
             layer: count * (2.0 * dims.index_heads * dims.index_head_dim
                             if layer.kind == "indexer" else 4.0 * dims.num_heads * dims.head_dim)
             for layer, count in shape.groups}
+        self._layer_terms = [(layer, self._attn_flops_per_pair[layer],
+                              count * layer.kv_bytes_per_token)
+                             for layer, count in shape.groups]
+        """Per distinct attention layer: FLOPs per (query, key) pair and KV bytes per
+        token, its count of layers folded in."""
         self._scan_flops_per_token = 8.0 * dims.scan_state_elements * shape.num_recurrent
         self._recurrent_bytes = float(sum(shape.recurrent_state_bytes))
         self._local_layers = sum(count for layer, count in shape.groups
@@ -158,10 +163,9 @@ class StepCostModel:
             num_chunks += 1
             long_chunks += n >= LONG_CHUNK_TOKENS
             prefills += n > 1
-            for layer, per_pair in self._attn_flops_per_pair.items():
+            for layer, per_pair, kv_per_token in self._layer_terms:
                 attn_flops += per_pair * layer.pairs(start, end)
-            for layer, count in shape.groups:
-                kv_bytes += count * (layer.span(start, end) + n) * layer.kv_bytes_per_token
+                kv_bytes += (layer.span(start, end) + n) * kv_per_token
             if shape.num_recurrent:
                 attn_flops += self._scan_flops_per_token * n
                 kv_bytes += self._recurrent_bytes * (2 if start else 1)
