@@ -464,17 +464,20 @@ class KVCacheManager:
         """Drop the request's tokens from ``num_tokens`` on (a streaming session
         discarding its last sampled token before the next input arrives), with the
         hashes of blocks no longer full. Computed tokens are never dropped:
-        ``num_computed_tokens <= num_tokens <= current``. The prompt shrinks with it.
+        ``num_computed_tokens <= num_tokens <= current``; under EAGLE lookahead hashes
+        not the token after them either (a cached block's hash covers it). The prompt
+        shrinks with it.
 
         E.g. 40 tokens (block 16: 2 hashes), 33 computed: ``truncate_tokens(r, 35)``
         keeps both hashes; ``truncate_tokens(r, 33)`` then too (33 // 16 = 2).
         """
         state = self._state(req_id, "truncate_tokens")
         tokens = state.token_ids
-        if not state.num_computed_tokens <= num_tokens <= tokens.num_tokens or num_tokens < 1:
+        least = max(1, state.num_computed_tokens + min(self._lookahead, 1))
+        if not least <= num_tokens <= tokens.num_tokens:
             raise ConfigError("num_tokens", num_tokens,
-                              f"must be in [max(1, computed {state.num_computed_tokens}), "
-                              f"{tokens.num_tokens}]")
+                              f"must be in [{least}, {tokens.num_tokens}] (computed "
+                              f"{state.num_computed_tokens}, lookahead {self._lookahead})")
         tokens.truncate(num_tokens)
         state.num_prompt_tokens = min(state.num_prompt_tokens, num_tokens)
         num_full = num_tokens // self.hasher.block_size if state.external_hashes else \

@@ -389,7 +389,9 @@ class ManagerMachine(RuleBasedStateMachine):
         req_id = running[pick % len(running)]
         computed = self.manager.num_computed_tokens(req_id)
         known = self.manager.num_tokens(req_id)
-        keep = max(computed, self.prompt_len[req_id], known - cut)
+        keep = max(computed + min(self.lookahead, 1), self.prompt_len[req_id], known - cut)
+        if keep > known:
+            return
         before = self.tokens(req_id)
         self.manager.truncate_tokens(req_id, keep)
         assert self.tokens(req_id) == before[:keep]
