@@ -30,12 +30,12 @@ from typing import Any
 os.environ["HYBRIDKV_PURE_PYTHON"] = "1"
 
 from hybridkv.errors import HybridKVError
+from hybridkv.models.shapes import load_model
+from hybridkv.sched import scheduler as scheduler_module
+from hybridkv.sched.admission import parse_admissions
 from hybridkv.sim import misses
-from hybridkv.sim import scheduler as scheduler_module
-from hybridkv.sim.admission import parse_admissions
-from hybridkv.sim.loaders import load_trace
-from hybridkv.sim.model import load_model
 from hybridkv.sim.replay import ReplaySettings, replay
+from hybridkv.traces.loaders import load_trace
 
 CAUSES = misses.MISS_CAUSES
 

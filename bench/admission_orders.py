@@ -27,10 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridkv.sim.admission import parse_admissions
-from hybridkv.sim.loaders import load_trace
-from hybridkv.sim.model import load_model
+from hybridkv.models.shapes import load_model
+from hybridkv.sched.admission import parse_admissions
 from hybridkv.sim.replay import ReplaySettings, RunResult, attach_bounds, replay
+from hybridkv.traces.loaders import load_trace
 
 HEADER = ("| trace | blocks | policy | order | hit rate | vs fcfs | wait p50 / p99 / max steps "
           "| p99 × fcfs | mgr+sched s (median of n) | time × fcfs (median [min–max]) |\n"

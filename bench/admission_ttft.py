@@ -61,10 +61,10 @@ from hybridkv.engine.runner import (
     RunResult,
     scheduler_admissions,
 )
-from hybridkv.sim.admission import parse_admissions
-from hybridkv.sim.loaders import load_trace
-from hybridkv.sim.scheduler import SchedRequest, Scheduler
-from hybridkv.sim.trace import expand_prompt
+from hybridkv.sched.admission import parse_admissions
+from hybridkv.sched.scheduler import SchedRequest, Scheduler
+from hybridkv.traces.loaders import load_trace
+from hybridkv.traces.trace import expand_prompt
 
 TRACE_DIRS = ("out/traces/weka_cc_agentic", "../shared/traces/weka_cc_agentic",
               "/work/shared/traces/weka_cc_agentic")

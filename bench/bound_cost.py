@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+from hybridkv.models.shapes import load_model
 from hybridkv.sim.bound import (
     AdmissionLog,
     BoundShape,
@@ -29,8 +30,7 @@ from hybridkv.sim.bound import (
     hybrid_optimum,
     offline_optimum,
 )
-from hybridkv.sim.loaders import load_trace
-from hybridkv.sim.model import load_model
+from hybridkv.traces.loaders import load_trace
 
 KINDS = ("legacy", "bound_fa", "bound")
 

@@ -47,7 +47,7 @@ from hybridkv import KVCacheManager
 from hybridkv.engine.model import HybridDecoder
 from hybridkv.engine.model_config import ModelConfig
 from hybridkv.engine.paged import PagedKVCache
-from hybridkv.sim.scheduler import SchedRequest
+from hybridkv.sched.scheduler import SchedRequest
 
 CONFIGS = (("caching off", "latest", False), ("latest", "latest", True),
            ("latest+recompute", "latest+recompute", True))

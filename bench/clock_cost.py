@@ -18,10 +18,10 @@ import sys
 import time
 from dataclasses import replace
 
-from hybridkv.sim.loaders import load_trace
-from hybridkv.sim.model import load_model
+from hybridkv.models.shapes import load_model
 from hybridkv.sim.replay import ReplaySettings, replay
 from hybridkv.sim.timed import TimeSettings
+from hybridkv.traces.loaders import load_trace
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 
 Both managers are driven by hybridkv's own closed-loop ``Scheduler`` (replay protocol v1,
 ``shared/docs/replay-protocol.md``) over the same requests: prompts expanded with
-``hybridkv.sim.trace.expand_prompt``, outputs drawn as globally unique ids. vLLM's side is
+``hybridkv.traces.trace.expand_prompt``, outputs drawn as globally unique ids. vLLM's side is
 ``bench/vllm_adapter.VllmManager`` (vLLM's ``KVCacheManager`` + ``Request`` objects, sha256
 block hashes at the gcd of the group block sizes, ``full_sequence_must_fit`` admission gate,
 ``max_in_flight_tokens`` = chunk size). For each policy (ours → vLLM retention interval:
@@ -46,12 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hybridkv.native
 from hybridkv.cache import Allocation, KVCacheManager, PrefixHit
 from hybridkv.config import CacheConfig
-from hybridkv.sim.loaders import load_trace
-from hybridkv.sim.model import load_model, num_blocks_for_memory, parse_size
-from hybridkv.sim.replay import LazyPrompt
-from hybridkv.sim.scheduler import SchedRequest, Scheduler
-from hybridkv.sim.trace import OUTPUT_TOKEN_BASE, Trace
-from hybridkv.sim.workloads import make_workload
+from hybridkv.models.shapes import load_model, num_blocks_for_memory, parse_size
+from hybridkv.sched.scheduler import SchedRequest, Scheduler
+from hybridkv.traces.loaders import load_trace
+from hybridkv.traces.prompts import LazyPrompt
+from hybridkv.traces.trace import OUTPUT_TOKEN_BASE, Trace
+from hybridkv.traces.workloads import make_workload
 
 REFERENCE_HIT_RATES: dict[tuple[str, int, str, int, str], float] = {
     # replay-protocol.md "Reference numbers": vLLM 0.33.0 under protocol v1, in percent.
@@ -486,7 +486,7 @@ def check_block_counts(args: argparse.Namespace) -> bool:
     ``_get_kv_cache_bytes_per_block`` (block-outermost), ``num_blocks = bytes // per``."""
     from vllm_adapter import vllm_v4_bytes_per_block, vllm_v4_groups
 
-    from hybridkv.sim.model import num_blocks_for_memory, parse_size
+    from hybridkv.models.shapes import num_blocks_for_memory, parse_size
 
     shape = load_model(args.model)
     layers = shape.layer_specs()

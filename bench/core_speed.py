@@ -23,9 +23,9 @@ import time
 import hybridkv.native
 import hybridkv.pool
 from hybridkv.cache import KVCacheManager
-from hybridkv.sim.loaders import load_trace
-from hybridkv.sim.model import load_model
+from hybridkv.models.shapes import load_model
 from hybridkv.sim.replay import replay
+from hybridkv.traces.loaders import load_trace
 
 
 def _core() -> str:

@@ -48,7 +48,7 @@ from hybridkv.engine.model_config import ModelConfig, cache_config_for_model, ge
 from hybridkv.engine.paged import PagedKVCache
 from hybridkv.engine.runner import EngineRunner, RunOptions
 from hybridkv.engine.weights import model_from_hf_tensors
-from hybridkv.sim.scheduler import SchedRequest
+from hybridkv.sched.scheduler import SchedRequest
 
 TRACE_DIRS = (".bench_traces", "../shared/traces/weka_cc_agentic",
               "/work/shared/traces/weka_cc_agentic")

@@ -37,9 +37,9 @@ import json, sys, time, types
 import hybridkv.cache
 # manager_seconds in CPU time: the same clock as cpu_s, blind to other processes' load
 hybridkv.cache.time = types.SimpleNamespace(perf_counter=time.process_time)
-from hybridkv.sim.model import load_model
+from hybridkv.models.shapes import load_model
 from hybridkv.sim.replay import ReplaySettings, replay
-from hybridkv.sim.workloads import agentic
+from hybridkv.traces.workloads import agentic
 variant, model, num_blocks, sessions, turns, policy = sys.argv[1:7]
 config = load_model(model).cache_config(int(num_blocks))
 trace = agentic(num_sessions=int(sessions), num_turns=int(turns), first_prompt_tokens=8000,

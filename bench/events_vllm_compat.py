@@ -35,10 +35,10 @@ import zmq
 
 from hybridkv.events import AllBlocksCleared, BlockStored, decode_batch, encode_batch
 from hybridkv.events.publisher import END_SEQ, ZmqEventPublisher
-from hybridkv.observe import KVEventStream
-from hybridkv.sim.model import load_model
+from hybridkv.models.shapes import load_model
+from hybridkv.sim.observe import KVEventStream
 from hybridkv.sim.replay import ReplaySettings, replay
-from hybridkv.sim.workloads import agentic
+from hybridkv.traces.workloads import agentic
 
 
 def _free_port() -> int:

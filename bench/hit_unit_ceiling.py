@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 
 from hybridkv.sim.ceiling import infinite_cache_ceiling
-from hybridkv.sim.trace import Trace
-from hybridkv.sim.workloads import make_workload
+from hybridkv.traces.trace import Trace
+from hybridkv.traces.workloads import make_workload
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("--units", default="784,16")
     args = parser.parse_args()
     if args.trace is not None:
-        from hybridkv.sim.loaders import load_trace
+        from hybridkv.traces.loaders import load_trace
         trace = load_trace(args.trace, limit=args.limit)
     else:
         trace = make_workload(args.workload)

@@ -59,7 +59,7 @@ from hybridkv.engine.recurrent import (
     random_inputs,
 )
 from hybridkv.engine.runner import EngineRunner, RunOptions
-from hybridkv.sim.scheduler import SchedRequest
+from hybridkv.sched.scheduler import SchedRequest
 
 
 def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, Any]:

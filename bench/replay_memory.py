@@ -14,9 +14,9 @@ import argparse
 import os
 import time
 
-from hybridkv.sim.loaders import load_trace
-from hybridkv.sim.model import load_model
+from hybridkv.models.shapes import load_model
 from hybridkv.sim.replay import replay
+from hybridkv.traces.loaders import load_trace
 
 
 def rss_mib() -> float:

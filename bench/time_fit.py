@@ -25,13 +25,13 @@ from typing import Any
 from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
 from hybridkv.engine.model_config import ModelConfig, cache_config_for_model
-from hybridkv.sim.loaders import load_trace
-from hybridkv.sim.scheduler import SchedRequest, Scheduler, StepPlan
+from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
 from hybridkv.sim.timed import ModelClock, TimedRun, arrival_times, drive, summarise
-from hybridkv.sim.trace import expand_prompt
 from hybridkv.timing import PARAM_NAMES, Chunk, Efficiencies, StepCostModel
 from hybridkv.timing.fit import fit_coefficients, relative_errors
 from hybridkv.timing.shape import AttentionLayer, ComputeShape, ModelDims
+from hybridkv.traces.loaders import load_trace
+from hybridkv.traces.trace import expand_prompt
 
 LOWER = tuple(1.0 if name in ("gemm", "weights", "attention", "kv") else 0.0
               for name in PARAM_NAMES)

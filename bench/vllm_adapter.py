@@ -1,6 +1,6 @@
 """Drive vLLM 0.33.0's ``KVCacheManager`` through hybridkv's scheduler-facing API.
 
-``VllmManager`` exposes the methods ``hybridkv.sim.scheduler.Scheduler`` calls on a
+``VllmManager`` exposes the methods ``hybridkv.sched.scheduler.Scheduler`` calls on a
 ``hybridkv.cache.KVCacheManager`` (``add_request``, ``find_longest_hit``, ``allocate_slots``,
 ``free``, ``remove_request``, ``append_token_ids``, ``num_tokens``, ``num_computed_tokens``,
 ``new_step``, ``token_ids``), backed by vLLM's own manager and vLLM ``Request`` objects, and

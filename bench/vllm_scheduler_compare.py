@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridkv.sim.trace import OUTPUT_TOKEN_BASE, Trace
 from vllm.config import CacheConfig as VllmCacheConfig
 from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
@@ -35,7 +36,6 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm_adapter import vllm_kv_cache_config
 
 from hybridkv.config import CacheConfig
-from hybridkv.sim.trace import OUTPUT_TOKEN_BASE, Trace
 from hybridkv.vllm.scheduler import manager_swapped
 
 TIMED_METHODS = ("get_computed_blocks", "allocate_slots", "free", "cache_blocks",

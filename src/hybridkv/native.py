@@ -96,9 +96,10 @@ COMPILED_MODULES: tuple[str, ...] = (
     "hybridkv.managers.chunked",
     "hybridkv.managers.compressed",
     "hybridkv.managers.recurrent",
-    "hybridkv.sim.admission",
-    "hybridkv.sim.scheduler",
+    "hybridkv.sched.admission",
+    "hybridkv.sched.scheduler",
     "hybridkv.sim.misses",
+    "hybridkv.traces.prompts",
     "hybridkv.sim.replay",
 )
 """Modules compiled together (one mypyc group). A class defined here cannot be subclassed
@@ -270,7 +271,10 @@ def core_line(selection: Selection | None = None) -> str:
     >>> core_line(Selection("compiled", "mypyc build 9679ab01799c64044e8410ec"))
     'core: compiled (mypyc build 9679ab01799c64044e8410ec)'
     >>> core_line(Selection("pure", "mypyc failed: hybridkv/x.py:1: error: …"))
-    'core: pure Python (mypyc failed; python -m hybridkv.native_build --status)'
+    'core: pure Python (mypyc failed)'
+
+    Short enough for an 80-column terminal: the reason's first clause only (the notice on
+    stderr and ``python -m hybridkv.native_build --status`` give the whole of it).
     """
     chosen = SELECTED if selection is None else selection
     if chosen is None:
@@ -278,9 +282,7 @@ def core_line(selection: Selection | None = None) -> str:
     if chosen.mode == "compiled":
         return f"core: compiled ({chosen.reason})"
     why = chosen.reason.split(": ", 1)[0].split(" (", 1)[0]
-    if why != chosen.reason:
-        why += "; python -m hybridkv.native_build --status"
-    return f"core: pure Python ({why})"
+    return f"core: pure Python ({why[:56]})"
 
 
 def is_compiled(module: ModuleType) -> bool:

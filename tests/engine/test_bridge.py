@@ -25,6 +25,7 @@ import pytest
 from hybridkv import InvariantViolation, KVCacheManager
 from hybridkv import coordinator as coordinator_module
 from hybridkv.cache import PrefillPlan
+from hybridkv.cli.verify import add_verify_arguments, cmd_verify
 from hybridkv.engine import bridge as bridge_module
 from hybridkv.engine import runner as runner_module
 from hybridkv.engine.attention import (
@@ -48,13 +49,11 @@ from hybridkv.engine.verify import (
     DEFAULT_ATOL,
     DEFAULT_POLICIES,
     VerifySettings,
-    add_verify_arguments,
-    cmd_verify,
     compare_runs,
     run_verify,
 )
 from hybridkv.errors import EquivalenceError
-from hybridkv.sim.scheduler import SchedRequest
+from hybridkv.sched.scheduler import SchedRequest
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.engine

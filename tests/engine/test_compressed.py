@@ -32,7 +32,7 @@ from hybridkv.engine.compressed_runner import (
 from hybridkv.engine.model_config import ModelConfig
 from hybridkv.engine.runner import RunOptions
 from hybridkv.errors import ConfigError, InvariantViolation
-from hybridkv.sim.scheduler import SchedRequest
+from hybridkv.sched.scheduler import SchedRequest
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.engine

@@ -18,7 +18,7 @@ from hybridkv.engine.compressed_runner import (
 from hybridkv.engine.runner import EngineRunner, RunOptions, _Work
 from hybridkv.engine.synthetic import make_engine_workload
 from hybridkv.engine.verify import VerifyReport, VerifySettings, run_verify
-from hybridkv.sim.scheduler import ScheduledChunk
+from hybridkv.sched.scheduler import ScheduledChunk
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.engine

@@ -24,7 +24,7 @@ from hybridkv.engine.runner import (
     RunResult,
     scheduler_admissions,
 )
-from hybridkv.sim.scheduler import SchedRequest, Scheduler
+from hybridkv.sched.scheduler import SchedRequest, Scheduler
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.engine

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from hybridkv import CapacityError, ConfigError
+from hybridkv.cli.verify import add_verify_arguments, cmd_verify
 from hybridkv.engine.model import HybridDecoder
 from hybridkv.engine.model_config import (
     ModelConfig,
@@ -17,8 +18,7 @@ from hybridkv.engine.model_config import (
     llama4_pattern,
 )
 from hybridkv.engine.runner import EngineRunner, RunOptions
-from hybridkv.engine.verify import add_verify_arguments, cmd_verify
-from hybridkv.sim.scheduler import SchedRequest
+from hybridkv.sched.scheduler import SchedRequest
 from hybridkv.specs import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
 
 torch = pytest.importorskip("torch")
@@ -140,8 +140,8 @@ def test_engine_publishes_events_and_metrics() -> None:
     equal the manager's counters (issue 17)."""
     from hybridkv.events import AllBlocksCleared, BlockRemoved, KVEvent, external_hash
     from hybridkv.events.replica import ResidentReplica
-    from hybridkv.metrics import CacheMetrics, ReplayMetrics
-    from hybridkv.observe import KVEventStream
+    from hybridkv.sim.metrics import CacheMetrics, ReplayMetrics
+    from hybridkv.sim.observe import KVEventStream
 
     published: list[KVEvent] = []
 

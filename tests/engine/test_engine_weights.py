@@ -19,7 +19,7 @@ from hybridkv.engine.weights import (
     model_config_from_hf,
     save_gemma3,
 )
-from hybridkv.sim.scheduler import SchedRequest
+from hybridkv.sched.scheduler import SchedRequest
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")

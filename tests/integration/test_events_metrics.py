@@ -22,10 +22,10 @@ from hybridkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from hybridkv.events.publisher import END_SEQ, ZmqEventPublisher
 from hybridkv.events.replica import ResidentReplica
 from hybridkv.events.subscriber import EventSubscriber
-from hybridkv.metrics import CacheMetrics, ReplayMetrics
-from hybridkv.sim.model import load_model
+from hybridkv.models.shapes import load_model
+from hybridkv.sim.metrics import CacheMetrics, ReplayMetrics
 from hybridkv.sim.replay import ReplaySettings, RunResult, replay
-from hybridkv.sim.workloads import aba
+from hybridkv.traces.workloads import aba
 
 AGENTIC = ["--workload", "agentic", "--set", "num_sessions=3", "--set", "num_turns=3",
            "--set", "first_prompt_tokens=200", "--set", "turn_tokens=50",

@@ -28,7 +28,7 @@ from cli_harness import wait_busy as _wait_busy
 from cli_harness import wait_for as _wait_for
 
 from hybridkv.cli import main
-from hybridkv.sim.loaders import fields
+from hybridkv.traces.loaders import fields
 
 WINDOW_ONLY_MODEL = """
 block_size = 16
@@ -490,7 +490,7 @@ def test_output_write_failure_leaves_nothing(inputs: Path, out: Path,
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(report, "plot_policies", disk_full)
-    monkeypatch.setattr("hybridkv.sim.commands.plot_policies", disk_full)
+    monkeypatch.setattr("hybridkv.cli.replay.plot_policies", disk_full)
     outcome = run_cli(_argv([*REPLAY, "--num-blocks", "200", "--json", "{out}/r.json",
                              "--plot", "{out}/r.png"], inputs, out), capsys)
     assert_clean_failure(outcome, 2, "No space left on device")
@@ -595,7 +595,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_verify_hint_names_the_checkout_command(monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    from hybridkv import cli
+    from hybridkv.cli import app as cli
 
     def no_engine(sub: object) -> None:
         parser = sub.add_parser("verify")  # type: ignore[attr-defined]

@@ -9,11 +9,11 @@ import pytest
 from cli_harness import TINY_MODEL
 
 from hybridkv.cli import main
+from hybridkv.models.shapes import load_model
 from hybridkv.sim.ceiling import infinite_cache_ceiling
-from hybridkv.sim.model import load_model
 from hybridkv.sim.replay import ReplaySettings, replay
-from hybridkv.sim.trace import Trace, TraceRequest
-from hybridkv.sim.workloads import aba
+from hybridkv.traces.trace import Trace, TraceRequest
+from hybridkv.traces.workloads import aba
 
 
 @pytest.fixture

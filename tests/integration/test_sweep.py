@@ -18,9 +18,9 @@ from cli_harness import spawn_cli as _spawn
 from cli_harness import wait_for as _wait_for
 
 from hybridkv.cli import main
-from hybridkv.sim import report as report_module
-from hybridkv.sim import sweep_ray
-from hybridkv.sim.sweep import ROW_FIELDS, TIMING_FIELDS
+from hybridkv.sweep import ray as sweep_ray
+from hybridkv.sweep import report as report_module
+from hybridkv.sweep.cells import ROW_FIELDS, TIMING_FIELDS
 
 
 def _mooncake(path: Path, shift: int = 0) -> Path:
@@ -182,12 +182,16 @@ def test_a_corrupt_stored_cell_is_recomputed(inputs: Path, tmp_path: Path,
 
 def test_jobs_give_the_serial_results(inputs: Path, tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Too-small pools (8 blocks) included: their results cross the process boundary."""
     serial, parallel = tmp_path / "serial.csv", tmp_path / "jobs.csv"
-    assert run(sweep_argv(inputs, "--csv", str(serial)), capsys)[0] == 0
-    code, _, stderr = run(sweep_argv(inputs, "--csv", str(parallel), "--jobs", "2"), capsys)
+    pools = ["--num-blocks", "8,800,3000"]
+    assert run(sweep_argv(inputs, "--csv", str(serial), *pools), capsys)[0] == 0
+    code, _, stderr = run(sweep_argv(inputs, "--csv", str(parallel), "--jobs", "2", *pools),
+                          capsys)
     assert code == 0, stderr
     assert stable(read_csv(parallel)) == stable(read_csv(serial))
-    assert len(read_csv(serial)) == 16
+    assert len(read_csv(serial)) == 24
+    assert sum(row["status"] == "too small" for row in read_csv(serial)) == 8
 
 
 def _ray_or_skip() -> None:
@@ -202,14 +206,15 @@ def test_local_ray_gives_the_serial_results(inputs: Path, tmp_path: Path,
     _ray_or_skip()
     serial, on_ray = tmp_path / "serial.csv", tmp_path / "ray.csv"
     results = tmp_path / "results"
-    argv = sweep_argv(inputs, "--num-blocks", "800")  # 8 cells: Ray's start dominates
+    argv = sweep_argv(inputs, "--num-blocks", "8,800")  # 16 cells, 8 too small
     assert run([*argv, "--csv", str(serial)], capsys)[0] == 0
     code, stdout, stderr = run([*argv, "--csv", str(on_ray), "--ray", "--jobs", "2",
                                 "--results", str(results)], capsys)
     assert code == 0, stderr
     assert stable(read_csv(on_ray)) == stable(read_csv(serial))
-    assert summary(stdout).startswith("8 cells: 8 computed, 0 resumed")
-    assert len(list(results.iterdir())) == 8
+    assert summary(stdout).startswith(f"16 cells: 16 computed, 0 resumed in {results}, "
+                                      "8 too small")
+    assert len(list(results.iterdir())) == 16
 
 
 def test_missing_ray_is_one_line_naming_the_install(

@@ -28,8 +28,10 @@ def replay_json(tmp_path: Path, *extra: str) -> dict[str, object]:
 
 def test_time_clock_reports_seconds_per_request(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    run = replay_json(tmp_path, "--clock", "time", "--rate", "0.5", "--slo", "ttft=1000")
-    assert "TTFT p99" in capsys.readouterr().out
+    run = replay_json(tmp_path, "--clock", "time", "--rate", "0.5", "--slo", "ttft=1000",
+                      "--policy", "latest,interval:32768")
+    out = capsys.readouterr().out
+    assert "TTFT p99" in out and "* = best goodput" in out   # recommended in time
     time = run["time"]
     assert isinstance(time, dict)
     requests = run["request_times"]
@@ -38,8 +40,9 @@ def test_time_clock_reports_seconds_per_request(tmp_path: Path,
     assert time["ttft_p50_s"] <= time["ttft_p99_s"]
     assert 0 < time["busy_fraction"] <= 1
     assert time["goodput_rps"] == pytest.approx(12 / time["makespan_s"])   # all meet it
-    # the step clock has no time fields
-    assert "time" not in replay_json(tmp_path)
+    # the step clock has no time fields and stars the best hit rate
+    assert "time" not in replay_json(tmp_path, "--policy", "latest,interval:32768")
+    assert "* = best hit rate" in capsys.readouterr().out
 
 
 def test_a_slower_gpu_gives_longer_latencies(tmp_path: Path) -> None:
@@ -106,3 +109,17 @@ def test_bounded_load_rule_runs_and_is_recorded(tmp_path: Path,
         main(["cluster", *BASE[:6], "--bounded-load", "0.9"])
     assert exited.value.code == 2
     assert "must be a number >= 1, got '0.9'" in capsys.readouterr().err
+
+
+def test_one_instance_cluster_times_like_the_replay(tmp_path: Path) -> None:
+    """One instance behind any router is the replay with routing in 50 ms epochs: each
+    request reaches the instance at most one epoch after it arrived, so its TTFT is the
+    replay's plus at most the epochs it waited (here: within 0.1 s at the median)."""
+    replay = replay_json(tmp_path, "--clock", "time", "--rate", "0.2")
+    out = tmp_path / "one.json"
+    assert main(["cluster", *BASE[:6], "--model", "mistral-7b", "--kv-memory", "4GiB",
+                 "--policy", "latest", "--quiet", "--instances", "1", "--router",
+                 "round-robin", "--clock", "time", "--rate", "0.2", "--json", str(out)]) == 0
+    cluster = json.loads(out.read_text())["runs"][0]["time"]
+    assert replay["time"]["ttft_p50_s"] <= cluster["ttft_p50_s"] <= \
+        replay["time"]["ttft_p50_s"] + 0.1  # type: ignore[index]

@@ -24,8 +24,8 @@ from hybridkv import (
     LayerSpec,
     SlidingWindowSpec,
 )
-from hybridkv.sim.admission import ORDERS, FirstComeOrder, RankedOrder
-from hybridkv.sim.scheduler import SchedRequest, Scheduler, StepPlan
+from hybridkv.sched.admission import ORDERS, FirstComeOrder, RankedOrder
+from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
 
 
 class GenericFirstCome(FirstComeOrder):

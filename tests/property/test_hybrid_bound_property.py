@@ -15,8 +15,8 @@ from hybridkv import CacheConfig, ChunkedLocalSpec, FullAttentionSpec, SlidingWi
 from hybridkv.errors import PoolTooSmallError
 from hybridkv.managers import FullAttentionManager
 from hybridkv.sim.replay import ReplaySettings, RunResult, attach_bounds, replay
-from hybridkv.sim.trace import Trace, TraceRequest
 from hybridkv.specs import RecurrentStateSpec
+from hybridkv.traces.trace import Trace, TraceRequest
 
 RETENTIONS = ("dense", "reachable", "prepend", "latest", "interval:32", "pin:32")
 EVICTIONS = ("", "+scan", "+chain", "+session", "+predict", "+scan+chain+session",

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.hashing import BlockHasher
-from hybridkv.sim.replay import _PromptHasher
-from hybridkv.sim.trace import TraceRequest, expand_prompt
+from hybridkv.traces.prompts import PromptHasher
+from hybridkv.traces.trace import TraceRequest, expand_prompt
 
 TRACE_BLOCK_SIZE = 8
 
@@ -30,7 +30,7 @@ def test_memoised_hashes_equal_plain_hashes(
         shapes: list[tuple[str | None, int, list[int], int]], hash_block_size: int,
         session_budget: int) -> None:
     hasher = BlockHasher(hash_block_size)
-    memoised = _PromptHasher(hasher)
+    memoised = PromptHasher(hasher)
     memoised.MAX_SESSION_HASHES = session_budget  # small budgets drop sessions often
     latest: dict[str | None, tuple[int, ...]] = {}
     for index, (session, keep, new_ids, extra_tokens) in enumerate(shapes):

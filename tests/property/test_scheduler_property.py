@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from strategies import ALPHABET, layer_specs, token_lists
 
 from hybridkv import CacheConfig, FullAttentionSpec, KVCacheManager, LayerSpec
-from hybridkv.sim.scheduler import SchedRequest, Scheduler
+from hybridkv.sched.scheduler import SchedRequest, Scheduler
 
 POLICIES = ("dense", "reachable", "prepend", "latest", "interval", "pin:8")
 

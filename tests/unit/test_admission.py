@@ -10,10 +10,10 @@ import pytest
 from hybridkv import CacheConfig, FullAttentionSpec, KVCacheManager, SlidingWindowSpec
 from hybridkv.cli import main
 from hybridkv.errors import ConfigError, PoolTooSmallError
-from hybridkv.sim.admission import ORDERS, StarvationGuard, parse_admissions
+from hybridkv.sched.admission import ORDERS, StarvationGuard, parse_admissions
+from hybridkv.sched.scheduler import SchedRequest, Scheduler
 from hybridkv.sim.replay import ReplaySettings, replay
-from hybridkv.sim.scheduler import SchedRequest, Scheduler
-from hybridkv.sim.trace import Trace, TraceRequest
+from hybridkv.traces.trace import Trace, TraceRequest
 
 
 def _drive(scheduler: Scheduler, max_steps: int = 10_000) -> list[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hybridkv.sim.bound import block_keys, lru_full_attention, offline_optimum
-from hybridkv.sim.trace import Trace, TraceRequest
+from hybridkv.traces.trace import Trace, TraceRequest
 
 
 def trace() -> Trace:

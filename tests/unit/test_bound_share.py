@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from hybridkv.models.shapes import load_model
 from hybridkv.sim.bound import (
     AdmissionLog,
     BoundShape,
@@ -21,13 +22,13 @@ from hybridkv.sim.bound import (
     unit_keys_by_index,
 )
 from hybridkv.sim.bound_share import BoundKeys, clear_memo, shared_bounds
-from hybridkv.sim.commands import Source, run_policies
-from hybridkv.sim.model import load_model
 from hybridkv.sim.replay import ReplaySettings, replay
-from hybridkv.sim.sweep import Cell, CellOptions, CellReplay, replay_cell
-from hybridkv.sim.sweep_exec import SharedCellBounds, SweepWork
-from hybridkv.sim.trace import Trace, TraceRequest
-from hybridkv.sim.workloads import make_workload
+from hybridkv.sim.run import run_policies
+from hybridkv.sweep.cells import Cell, CellOptions, CellReplay, replay_cell
+from hybridkv.sweep.run import SharedCellBounds, SweepWork
+from hybridkv.traces.source import Source
+from hybridkv.traces.trace import Trace, TraceRequest
+from hybridkv.traces.workloads import make_workload
 
 POLICIES = ("dense", "reachable", "prepend", "latest", "interval:2048", "pin:2048")
 LOG_FIELDS = ("request_indices", "reads", "held_blocks", "held_units", "release",

@@ -15,7 +15,7 @@ from hybridkv import (
 )
 from hybridkv.branch import BlockCopy
 from hybridkv.sim.replay import replay
-from hybridkv.sim.workloads import make_workload
+from hybridkv.traces.workloads import make_workload
 
 BS = 8
 SYSTEM = list(range(100, 112))  # a 12-token shared prefix: inside the second block

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
+from hybridkv.cli.cluster import run_router
 from hybridkv.cluster.backends import ProcessBackend
-from hybridkv.cluster.command import run_router
 from hybridkv.cluster.instance import Instance, InstanceSettings
 from hybridkv.cluster.routers import Load, RoundRobin, RouteRequest, SessionAffinity
 from hybridkv.cluster.simulate import (
@@ -18,9 +18,9 @@ from hybridkv.cluster.simulate import (
     serial_backend,
 )
 from hybridkv.config import CacheConfig
-from hybridkv.sim.model import load_model
-from hybridkv.sim.trace import Trace, TraceRequest
-from hybridkv.sim.workloads import make_workload
+from hybridkv.models.shapes import load_model
+from hybridkv.traces.trace import Trace, TraceRequest
+from hybridkv.traces.workloads import make_workload
 
 
 def _config(num_blocks: int = 400) -> CacheConfig:

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv.cluster.command import run_router
+from hybridkv.cli.cluster import run_router
 from hybridkv.cluster.instance import Instance, InstanceSettings
 from hybridkv.cluster.prefix import PrefixRouter, make_prefix_router
 from hybridkv.cluster.routers import Load, Route, RouteRequest
 from hybridkv.cluster.simulate import ClusterRun, ClusterSettings, run_cluster, serial_backend
 from hybridkv.config import CacheConfig
 from hybridkv.events.schema import external_hash
-from hybridkv.sim.model import load_model
-from hybridkv.sim.trace import Trace, TraceRequest
-from hybridkv.sim.workloads import make_workload
+from hybridkv.models.shapes import load_model
 from hybridkv.specs import FullAttentionSpec, SlidingWindowSpec
+from hybridkv.traces.trace import Trace, TraceRequest
+from hybridkv.traces.workloads import make_workload
 
 
 def _tiny(num_blocks: int = 200) -> CacheConfig:

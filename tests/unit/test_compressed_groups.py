@@ -8,8 +8,8 @@ import pytest
 from hybridkv import CacheConfig, KVCacheManager
 from hybridkv.errors import ConfigError
 from hybridkv.managers import MANAGER_FOR_SPEC, CompressedAttentionManager, CompressorStateManager
+from hybridkv.models.shapes import load_model, num_blocks_for_memory, parse_model
 from hybridkv.packing import approximate_gcd, plan_packed_groups
-from hybridkv.sim.model import load_model, num_blocks_for_memory, parse_model
 from hybridkv.specs import (
     CompressedAttentionSpec,
     CompressorStateSpec,

@@ -17,7 +17,7 @@ from hybridkv.eviction import (
     output_signature,
     parse_eviction,
 )
-from hybridkv.sim.commands import all_policies, parse_policies
+from hybridkv.sim.run import all_policies, parse_policies
 
 
 def full_only(num_blocks: int, options: EvictionOptions,

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.argtypes import non_empty_str, non_negative_float, positive_int
+from hybridkv.cli.argtypes import non_empty_str, non_negative_float, positive_int
 from hybridkv.errors import ConfigError, OutputPathError
+from hybridkv.limits import BYTES_PER_POOL_BLOCK, available_memory_bytes, check_pool_fits
+from hybridkv.outputs import StagedOutputs, check_output_path
 from hybridkv.pool import BlockPool
-from hybridkv.sim.limits import BYTES_PER_POOL_BLOCK, available_memory_bytes, check_pool_fits
-from hybridkv.sim.outputs import StagedOutputs, check_output_path
 
 
 def test_bytes_per_block_covers_a_full_cached_pool() -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from hybridkv import TraceFormatError
-from hybridkv.sim.loaders import detect_format, dump_native, load_trace
-from hybridkv.sim.loaders.ragpulse import COMPONENTS, content_token_range
-from hybridkv.sim.trace import FILL_TOKEN_BASE, Trace, TraceRequest, expand_prompt
-from hybridkv.sim.workloads import agentic
+from hybridkv.traces.loaders import detect_format, dump_native, load_trace
+from hybridkv.traces.loaders.ragpulse import COMPONENTS, content_token_range
+from hybridkv.traces.trace import FILL_TOKEN_BASE, Trace, TraceRequest, expand_prompt
+from hybridkv.traces.workloads import agentic
 
 SHARED_TRACES = Path(__file__).parents[2] / ".." / "shared" / "traces"
 

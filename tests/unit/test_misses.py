@@ -6,7 +6,7 @@ from hybridkv import CacheConfig, FullAttentionSpec, SlidingWindowSpec
 from hybridkv.sim.bound import AdmissionLog, BoundShape, fa_optimum, hybrid_optimum
 from hybridkv.sim.misses import MissCauses, split_miss
 from hybridkv.sim.replay import ReplaySettings, RunResult, attach_bounds, replay
-from hybridkv.sim.trace import Trace, TraceRequest
+from hybridkv.traces.trace import Trace, TraceRequest
 
 FULL16 = FullAttentionSpec(16, 8)
 

@@ -13,7 +13,7 @@ from hybridkv import (
     FullAttentionSpec,
     SlidingWindowSpec,
 )
-from hybridkv.sim.model import (
+from hybridkv.models.shapes import (
     list_presets,
     load_model,
     num_blocks_for_memory,
@@ -33,7 +33,7 @@ def group_shape(name: str) -> list[tuple[str, int]]:
 
 
 def test_presets_ship_inside_the_package() -> None:
-    folder = resources.files("hybridkv.sim") / "presets"
+    folder = resources.files("hybridkv.models") / "presets"
     assert sorted(p.name for p in folder.iterdir() if p.name.endswith(".toml")) == [
         f"{name}.toml" for name in PRESETS]
     assert list_presets() == PRESETS

@@ -266,3 +266,17 @@ def test_a_wheel_built_without_a_compiler_is_pure_with_its_reason(
     assert chosen.notice == (
         "hybridkv: this wheel has no compiled core (no C compiler found); "
         "using the pure-Python core")
+
+
+@pytest.mark.parametrize("reason", [
+    "HYBRIDKV_PURE_PYTHON=1", "no compiled build (python -m hybridkv.native_build)",
+    "sources changed since the last build", "no C compiler found (set CC or install gcc/clang)",
+    "mypyc failed: hybridkv/events/schema.py:124: error: Returning Any from function "
+    "declared to return \"bytes\"  [no-any-return]",
+    "installed sources differ from the wheel's build", "native root unreadable: " + "x" * 200,
+])
+def test_the_core_line_fits_80_columns(reason: str) -> None:
+    line = native.core_line(native.Selection("pure", reason))
+    assert line.startswith("core: pure Python (") and len(line) <= 80, line
+    compiled = native.core_line(native.Selection("compiled", "the wheel's mypyc build " + "f" * 24))
+    assert len(compiled) <= 80, compiled

@@ -14,8 +14,8 @@ from hybridkv import (
 )
 from hybridkv.managers import MANAGER_FOR_SPEC, RecurrentStateManager
 from hybridkv.managers.recurrent import align_recurrent_chunk
+from hybridkv.models.shapes import load_model, parse_model
 from hybridkv.recurrent import align_hybrid_block_size, gated_delta_net_state_bytes
-from hybridkv.sim.model import load_model, parse_model
 
 BS = 4
 

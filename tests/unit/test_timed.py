@@ -7,8 +7,8 @@ import pytest
 
 from hybridkv import KVCacheManager
 from hybridkv.errors import ConfigError
-from hybridkv.sim.model import load_model
-from hybridkv.sim.scheduler import SchedRequest, Scheduler, StepPlan
+from hybridkv.models.shapes import load_model
+from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
 from hybridkv.sim.timed import SLO, ModelClock, arrival_times, drive, summarise
 
 

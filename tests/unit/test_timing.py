@@ -8,7 +8,7 @@ import random
 import pytest
 
 from hybridkv.errors import ConfigError
-from hybridkv.sim.model import list_presets, load_model
+from hybridkv.models.shapes import list_presets, load_model
 from hybridkv.timing import (
     PARAM_NAMES,
     AttentionLayer,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hybridkv.sim.replay import LazyPrompt
-from hybridkv.sim.trace import TraceRequest, expand_prompt, prompt_slice
 from hybridkv.tokens import RequestTokens
+from hybridkv.traces.prompts import LazyPrompt
+from hybridkv.traces.trace import TraceRequest, expand_prompt, prompt_slice
 
 
 @given(prompt=st.lists(st.integers(0, 99), min_size=1, max_size=30),

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridkv import ConfigError
-from hybridkv.sim.trace import (
+from hybridkv.traces.trace import (
     FILL_TOKEN_BASE,
     FILL_TOKENS_PER_REQUEST,
     MAX_PROMPT_TOKENS,

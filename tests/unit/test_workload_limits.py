@@ -14,9 +14,9 @@ import pytest
 
 from hybridkv.cli import main
 from hybridkv.errors import ConfigError
-from hybridkv.sim import workload_limits
-from hybridkv.sim.workload_limits import FOOTPRINTS, size_parameters, workload_bytes
-from hybridkv.sim.workloads import (
+from hybridkv.traces import workload_limits
+from hybridkv.traces.workload_limits import FOOTPRINTS, size_parameters, workload_bytes
+from hybridkv.traces.workloads import (
     WORKLOADS,
     make_workload,
     retention_microbench_from_params,

@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from hybridkv import ConfigError
-from hybridkv.sim.trace import FILL_TOKEN_BASE, Trace
-from hybridkv.sim.workloads import (
+from hybridkv.traces.trace import FILL_TOKEN_BASE, Trace
+from hybridkv.traces.workloads import (
     DEFAULT_FRACTIONS,
     WORKLOAD_DEFAULTS,
     WORKLOADS,
@@ -153,7 +153,7 @@ def test_make_workload_converts_strings_and_rejects_unknowns() -> None:
 
 
 def test_long_context_grows_each_session_to_about_a_million_tokens() -> None:
-    from hybridkv.sim.workloads import make_workload
+    from hybridkv.traces.workloads import make_workload
 
     trace = make_workload("long-context")
     assert len(trace.requests) == 16 * 8

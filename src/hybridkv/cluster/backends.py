@@ -10,8 +10,8 @@ Errors: a ``HybridKVError`` inside a worker (a pool too small for a request) com
 bug and comes back with the worker's traceback in the message.
 
 Signals (``--jobs``): workers ignore SIGINT and die with their parent
-(``commands._worker_init``); the driver terminates them on every way out, so Ctrl-C and
-SIGTERM leave no process behind.
+(``hybridkv.parallel.processes.worker_init``); the driver terminates them on every way
+out, so Ctrl-C and SIGTERM leave no process behind.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from hybridkv.cluster.instance import (
 from hybridkv.cluster.simulate import split_instances
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError, HybridKVError
-from hybridkv.sim.trace import Trace
+from hybridkv.traces.trace import Trace
 
 
 class WorkerError(HybridKVError):
@@ -48,9 +48,9 @@ _WORK: tuple[Trace, CacheConfig, str, InstanceSettings, bool] | None = None
 
 
 def _worker_main(conn: Connection, indices: list[int], parent_pid: int) -> None:
-    from hybridkv.sim.commands import _worker_init
+    from hybridkv.parallel.processes import worker_init
 
-    _worker_init(parent_pid)
+    worker_init(parent_pid)
     assert _WORK is not None
     trace, config, policy, settings, events = _WORK
     try:

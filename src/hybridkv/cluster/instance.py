@@ -10,8 +10,8 @@ finished and what they hit.
 Its result depends only on the sequence of ``advance`` calls, never on which process runs
 it, so serial, ``--jobs`` and ``--ray`` replays agree exactly.
 
->>> from hybridkv.sim.model import load_model
->>> from hybridkv.sim.trace import Trace, TraceRequest
+>>> from hybridkv.models.shapes import load_model
+>>> from hybridkv.traces.trace import Trace, TraceRequest
 >>> trace = Trace("t", (TraceRequest("a", 40, 2, token_ids=tuple(range(40))),
 ...                     TraceRequest("b", 40, 2, token_ids=tuple(range(40)))))
 >>> config = load_model("gemma3-bench").cache_config(64)
@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 
 from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
-from hybridkv.sim.replay import LazyPrompt, OutputSampler, _PromptHasher, no_progress_error
-from hybridkv.sim.scheduler import SchedRequest, Scheduler, StepPlan
+from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
+from hybridkv.sim.replay import OutputSampler, no_progress_error
 from hybridkv.sim.timed import RequestTimes, TimeSettings, arrival_times
-from hybridkv.sim.trace import OUTPUT_TOKEN_BASE, Trace
+from hybridkv.traces.prompts import LazyPrompt, PromptHasher
+from hybridkv.traces.trace import OUTPUT_TOKEN_BASE, Trace
 
 OUTPUT_IDS_PER_INSTANCE = 1 << 50
 """Output-id range of each instance: instance ``i`` samples unique ids from
@@ -130,7 +131,7 @@ class Instance:
                                    chunk_size=settings.chunk_size,
                                    lookahead_requests=settings.lookahead_requests,
                                    admission=settings.admission)
-        self._hasher = _PromptHasher(self.manager.hasher)
+        self._hasher = PromptHasher(self.manager.hasher)
         self._sampler = OutputSampler(first_id=OUTPUT_TOKEN_BASE
                                       + index * OUTPUT_IDS_PER_INSTANCE)
         self._index_of: dict[str, int] = {}
@@ -159,8 +160,8 @@ class Instance:
                 hash_prompt=self._hasher.for_request(request)
                 if self.config.enable_caching else None))
             if self._cost is not None:
-                self._times[request.request_id] = RequestTimes(
-                    max(self._arrivals[index], self.clock_s), request.input_length)
+                self._times[request.request_id] = RequestTimes(  # its true arrival:
+                    self._arrivals[index], request.input_length)  # the routing wait counts
         finished: list[Finished] = []
         queued: list[int] = []
         until = (self._epochs + 1) * self.settings.epoch_seconds

@@ -71,8 +71,8 @@ from hybridkv.events.replica import ResidentReplica
 from hybridkv.events.schema import BlockStored, decode_batch, external_hash
 from hybridkv.hashing import BlockHasher
 from hybridkv.ids import BlockHash
-from hybridkv.sim.replay import LazyPrompt, _PromptHasher
-from hybridkv.sim.trace import Trace, expand_prompt
+from hybridkv.traces.prompts import LazyPrompt, PromptHasher
+from hybridkv.traces.trace import Trace, expand_prompt
 
 FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 """``kv_cache_spec_kind`` values whose hit needs every block of the prefix."""
@@ -125,7 +125,7 @@ class PrefixRouter(Router):
         self.hasher = hasher
         self.replicas = [ResidentReplica() for _ in range(num_instances)]
         self.layout = GroupLayout()
-        self._prompt_hasher = _PromptHasher(hasher)
+        self._prompt_hasher = PromptHasher(hasher)
 
     def observe(self, instance: int, payloads: Sequence[bytes]) -> None:
         """Decode the instance's published batches (vLLM 0.33 msgpack) and apply them."""

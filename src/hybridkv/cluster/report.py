@@ -65,11 +65,11 @@ def render_cluster_table(report: ClusterReport, console: Console, *,
     console.print(table)
     settings = report.settings
     console.print(f"pool {settings.get('num_blocks', '?'):,} blocks per instance; "
-                  f"{settings.get('workload', report.trace)}", soft_wrap=True)
+                  f"{settings.get('workload', report.trace)}")
     console.print("* = best cluster hit rate; instances: the lowest and highest instance "
                   "hit rate; imbalance: max / mean backlog over time"
                   + ("" if detail else "; more columns: --detail, --json")
-                  + " (hybridkv cluster --help)", style="dim", soft_wrap=True)
+                  + " (hybridkv cluster --help)", style="dim")
     if detail:
         _render_detail(report, console)
 

@@ -55,7 +55,7 @@ from hybridkv.sim.timed import (
     arrival_times,
     summarise,
 )
-from hybridkv.sim.trace import Trace
+from hybridkv.traces.trace import Trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +119,7 @@ class SerialBackend:
 class Dispatcher:
     """Releases requests in trace order under the closed-loop rules (module docstring).
 
-    >>> from hybridkv.sim.trace import TraceRequest
+    >>> from hybridkv.traces.trace import TraceRequest
     >>> reqs = (TraceRequest("a", 8, 1, session_id="s"), TraceRequest("b", 8, 1, session_id="s"),
     ...         TraceRequest("c", 8, 1))
     >>> d = Dispatcher(Trace("t", reqs), concurrency=8)

@@ -76,7 +76,7 @@ from hybridkv.engine.model_config import ModelConfig
 from hybridkv.engine.runner import EngineRunner, RunOptions, _Work
 from hybridkv.engine.verify import VerifySettings
 from hybridkv.errors import ConfigError, InvariantViolation
-from hybridkv.sim.scheduler import ScheduledChunk
+from hybridkv.sched.scheduler import ScheduledChunk
 from hybridkv.specs import (
     CompressedAttentionSpec,
     CompressorStateSpec,

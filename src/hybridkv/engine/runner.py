@@ -43,8 +43,8 @@ from hybridkv.engine.model import AttendFn, HybridDecoder, MixFn
 from hybridkv.engine.paged import PagedKVCache
 from hybridkv.engine.recurrent import gated_delta_reference
 from hybridkv.errors import CapacityError, ConfigError
+from hybridkv.sched.scheduler import SchedRequest, ScheduledChunk, Scheduler, StepPlan
 from hybridkv.sim.replay import ReplayObserver
-from hybridkv.sim.scheduler import SchedRequest, ScheduledChunk, Scheduler, StepPlan
 
 
 @dataclass(slots=True)
@@ -226,10 +226,10 @@ class RunOptions:
     record_logits: bool = True
     poison: bool = False
     admission: str = "fcfs"
-    """Admission order of the shared scheduler (``hybridkv.sim.admission.ORDERS``)."""
+    """Admission order of the shared scheduler (``hybridkv.sched.admission.ORDERS``)."""
     observers: tuple[ReplayObserver, ...] = ()
-    """KV events / metrics of the run (``hybridkv.observe.KVEventStream``,
-    ``hybridkv.metrics.ReplayMetrics``): attached to the run's manager and scheduler,
+    """KV events / metrics of the run (``hybridkv.sim.observe.KVEventStream``,
+    ``hybridkv.sim.metrics.ReplayMetrics``): attached to the run's manager and scheduler,
     called after every step."""
 
 

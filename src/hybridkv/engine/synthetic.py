@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Final
 
 from hybridkv.errors import ConfigError
-from hybridkv.sim.scheduler import SchedRequest
+from hybridkv.sched.scheduler import SchedRequest
 
 TOKEN_SPACE: Final = 1 << 40
 

@@ -13,22 +13,19 @@ requests in the step), which changes float64 summation order: ~1e-16 relative pe
 shifted or swapped block, stale KV) moves logits by ~1e-2 or more. 1e-9 separates the two
 by five orders of magnitude on each side.
 
+Equivalence checking as a library (``run_verify``); the command is ``hybridkv.cli.verify``.
 This module imports torch only when a run starts, so ``hybridkv --help`` works without the
 ``engine`` extra.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeAlias
 
-from hybridkv.argtypes import non_empty_str, non_negative_float, non_negative_int, positive_int
 from hybridkv.errors import ConfigError, EquivalenceError
-from hybridkv.policies import CORE_POLICIES, PolicySpec
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -37,7 +34,7 @@ if TYPE_CHECKING:
     from hybridkv.engine.gated_delta import Recurrence
     from hybridkv.engine.model import HybridDecoder
     from hybridkv.engine.runner import EngineRunner, RunOptions, RunResult
-    from hybridkv.sim.scheduler import SchedRequest
+    from hybridkv.sched.scheduler import SchedRequest
 
     RunnerFactory: TypeAlias = Callable[["VerifySettings", RunOptions, bool, bool],
                                         EngineRunner]
@@ -243,9 +240,9 @@ def trace_workload(path: str, *, limit: int, max_prompt_tokens: int = DEFAULT_TR
         TraceFormatError: the path is missing or malformed (``load_trace``).
         ConfigError: ``limit`` or ``max_prompt_tokens`` below 1, or an empty slice.
     """
-    from hybridkv.sim.loaders import load_trace
-    from hybridkv.sim.scheduler import SchedRequest
-    from hybridkv.sim.trace import expand_prompt
+    from hybridkv.sched.scheduler import SchedRequest
+    from hybridkv.traces.loaders import load_trace
+    from hybridkv.traces.trace import expand_prompt
 
     for name, value in (("limit", limit), ("trace-max-tokens", max_prompt_tokens),
                         ("output-tokens", output_tokens)):
@@ -265,207 +262,3 @@ def trace_workload(path: str, *, limit: int, max_prompt_tokens: int = DEFAULT_TR
 
 
 # ------------------------------------------------------------------------------ CLI
-def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``hybridkv verify``."""
-    from hybridkv.engine.synthetic import ENGINE_WORKLOADS
-
-    parser.add_argument("--workload", choices=sorted(ENGINE_WORKLOADS), default="all",
-                        help="synthetic workload with shared prefixes (default: all = "
-                             "mixed, then bridges)")
-    parser.add_argument("--trace", default=None, metavar="PATH", type=non_empty_str,
-                        help="verify a slice of a real trace (any format replay reads) "
-                             "instead of a synthetic workload")
-    parser.add_argument("--limit", type=positive_int, default=24,
-                        help="with --trace: its first N requests (default 24)")
-    parser.add_argument("--trace-max-tokens", type=positive_int,
-                        default=DEFAULT_TRACE_MAX_TOKENS,
-                        help="with --trace: keep every s-th prompt token so the longest "
-                             f"prompt has at most this many (default {DEFAULT_TRACE_MAX_TOKENS})")
-    parser.add_argument("--policy", default=None, type=non_empty_str,
-                        help="retention policies, comma separated "
-                             f"(default: {','.join(DEFAULT_POLICIES)}, plus "
-                             f"{','.join(BRANCH_POLICIES)} for models of full attention "
-                             "and Gated DeltaNet layers; 'core' = "
-                             f"{','.join(CORE_POLICIES)})")
-    parser.add_argument("--eagle", action="store_true",
-                        help="also run every policy in EAGLE drop mode")
-    parser.add_argument("--num-blocks", type=positive_int, default=256,
-                        help="pool size incl. the null block (small values force preemption)")
-    parser.add_argument("--block-size", type=positive_int, default=8)
-    parser.add_argument("--full-block-size", type=positive_int, default=None,
-                        help="block size of full-attention layers (default: --block-size)")
-    parser.add_argument("--chunk-size", type=positive_int, default=32,
-                        help="scheduler token budget per step")
-    parser.add_argument("--max-running", type=positive_int, default=4)
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and workload seed")
-    parser.add_argument("--pattern", choices=(*PATTERNS, "all"), default="gemma3",
-                        help="layer pattern: gemma3 (5 local : 1 global), alternating "
-                             "(gpt-oss), llama4 (chunked-local : global), mixed (sliding, "
-                             "chunked, full), v4 (DeepSeek-V4-shaped: every layer a window, "
-                             "compressed C4 / C-hca layers after the first), qwen3-next "
-                             "(Gated DeltaNet : full 3 : 1), recurrent-mixed (Gated DeltaNet, "
-                             "sliding, full); all: each in turn")
-    parser.add_argument("--layers", type=positive_int, default=4)
-    parser.add_argument("--hidden", type=positive_int, default=32)
-    parser.add_argument("--heads", type=positive_int, default=4)
-    parser.add_argument("--kv-heads", type=positive_int, default=2)
-    parser.add_argument("--head-dim", type=positive_int, default=8)
-    parser.add_argument("--vocab", type=positive_int, default=97)
-    parser.add_argument("--window", type=positive_int, default=12, help="sliding window (tokens)")
-    parser.add_argument("--attention-chunk", type=positive_int, default=16,
-                        help="chunk of chunked-local layers (tokens)")
-    parser.add_argument("--hca-ratio", type=int, default=16,
-                        help="--pattern v4: tokens per entry of the non-overlapping "
-                             "compressed layers (V4: 128)")
-    parser.add_argument("--compressed-block-size", type=int, default=32,
-                        help="--pattern v4: tokens per compressed-entries block (V4: 256)")
-    parser.add_argument("--index-topk", type=int, default=4,
-                        help="--pattern v4: entries a C4 layer's lightning indexer keeps per "
-                             "query (0: no indexer, read every completed entry)")
-    parser.add_argument("--attention", choices=("reference", "sdpa"), default="reference",
-                        help="attention path (reference: explicit masks)")
-    parser.add_argument("--atol", type=non_negative_float, default=DEFAULT_ATOL,
-                        help="max allowed |logit difference| (float64)")
-
-
-def _policies(text: str) -> list[str]:
-    names: list[str] = []
-    for raw in text.split(","):
-        item = raw.strip()
-        if item == "core":
-            names.extend(CORE_POLICIES)
-        elif item:
-            try:
-                PolicySpec.parse(item)
-            except ConfigError as err:
-                raise ConfigError("--policy", item, err.fix) from err
-            names.append(item)
-    if not names:
-        raise ConfigError("--policy", text, "name at least one policy")
-    return names
-
-
-def _default_policies(kinds: Sequence[str], args: argparse.Namespace) -> list[str]:
-    """``--policy`` left out: ``DEFAULT_POLICIES``, plus ``BRANCH_POLICIES`` where the
-    model suits ``ckpt:branch`` (full attention and Gated DeltaNet layers, one block size).
-
-    >>> ns = argparse.Namespace(full_block_size=None, block_size=8)
-    >>> len(_default_policies(("linear_attention", "full_attention"), ns))
-    10
-    >>> len(_default_policies(("sliding_attention", "full_attention"), ns))
-    8
-    """
-    names = list(DEFAULT_POLICIES)
-    one_block = args.full_block_size in (None, args.block_size)
-    if one_block and "linear_attention" in kinds \
-            and set(kinds) <= {"linear_attention", "full_attention"}:
-        names.extend(BRANCH_POLICIES)
-    return names
-
-
-def _layer_types(pattern: str, num_layers: int) -> tuple[str, ...]:
-    from hybridkv.engine.model_config import (
-        alternating_pattern,
-        gemma3_pattern,
-        llama4_pattern,
-        qwen3_next_pattern,
-    )
-
-    if pattern == "gemma3":
-        return gemma3_pattern(num_layers, period=min(6, num_layers))
-    if pattern == "alternating":
-        return alternating_pattern(num_layers)
-    if pattern == "llama4":
-        return llama4_pattern(num_layers, period=min(4, num_layers))
-    if pattern == "qwen3-next":
-        return qwen3_next_pattern(num_layers, interval=min(4, num_layers))
-    if pattern == "recurrent-mixed":
-        cycle = ("linear_attention", "sliding_attention", "full_attention")
-        return tuple(cycle[i % 3] for i in range(num_layers))
-    if pattern == "v4":  # the raw window of every layer; compress ratios come separately
-        return ("sliding_attention",) * num_layers
-    kinds = ("sliding_attention", "chunked_attention", "full_attention")
-    return tuple(kinds[i % 3] for i in range(num_layers))
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    """Entry point of ``hybridkv verify``: 0 when every policy is identical, 1 otherwise."""
-    try:
-        return _run_verify_command(args)
-    except ConfigError as err:  # name the option the user typed, not the internal field
-        raise ConfigError(_FLAG_FOR_FIELD.get(err.field, err.field), err.value,
-                          _FIELD_PATTERN.sub(lambda m: _FLAG_FOR_FIELD[m.group(0)], err.fix),
-                          ) from err
-
-
-_FLAG_FOR_FIELD = {
-    "num_kv_heads": "--kv-heads", "num_heads": "--heads", "num_blocks": "--num-blocks",
-    "alignment_tokens": "--block-size", "head_dim": "--head-dim", "hidden_size": "--hidden",
-    "vocab_size": "--vocab", "sliding_window": "--window", "block_size": "--block-size",
-    "attention_chunk_size": "--attention-chunk", "max_num_batched_tokens": "--chunk-size",
-    "chunk_size": "--chunk-size", "max_running": "--max-running",
-}
-"""Internal field → the ``verify`` option that sets it (for error messages)."""
-_FIELD_PATTERN = re.compile(r"\b(" + "|".join(_FLAG_FOR_FIELD) + r")\b")
-
-
-def _run_verify_command(args: argparse.Namespace) -> int:
-    try:
-        import torch
-
-        from hybridkv.engine.attention import reference_attention, sdpa_attention
-        from hybridkv.engine.model import HybridDecoder
-        from hybridkv.engine.model_config import ModelConfig
-        from hybridkv.engine.synthetic import make_engine_workload
-    except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        raise ConfigError("verify", "torch", "install the engine extra; from a checkout: "
-                          f"pip install -e '.[engine]' ({exc})") from exc
-    torch.set_num_threads(1)  # test-sized matrices: threads cost more than they save
-    settings = VerifySettings(block_size=args.block_size, full_block_size=args.full_block_size,
-                              num_blocks=args.num_blocks, chunk_size=args.chunk_size,
-                              max_running=args.max_running, atol=args.atol)
-    alignment = math.lcm(args.block_size, args.full_block_size or args.block_size)
-    if args.trace is not None:
-        trace_requests, stride = trace_workload(args.trace, limit=args.limit,
-                                                max_prompt_tokens=args.trace_max_tokens)
-    attention = reference_attention if args.attention == "reference" else sdpa_attention
-    ok = True
-    for pattern in PATTERNS if args.pattern == "all" else (args.pattern,):
-        kinds = _layer_types(pattern, args.layers)
-        config = ModelConfig(
-            vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-            num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-            layer_types=kinds,  # type: ignore[arg-type]
-            sliding_window=args.window, attention_chunk_size=args.attention_chunk)
-        model = HybridDecoder(config, dtype=torch.float64, seed=args.seed)
-        runner_factory: RunnerFactory | None = None
-        pattern_alignment = alignment
-        if pattern == "v4":
-            from hybridkv.engine.compressed_runner import v4_verify_setup
-
-            model, runner_factory, pattern_alignment, kinds = v4_verify_setup(
-                config, window_block_size=args.block_size, hca_ratio=args.hca_ratio,
-                compressed_block_size=args.compressed_block_size, index_topk=args.index_topk,
-                attention=args.attention, seed=args.seed)
-        if args.trace is not None:
-            workload = trace_requests
-            source = (f"trace {args.trace}: first {len(workload)} requests, every "
-                      f"{stride}th prompt token")
-        else:
-            workload = make_engine_workload(args.workload, alignment_tokens=pattern_alignment,
-                                            seed=args.seed)
-            source = f"workload {args.workload}"
-        policies = _default_policies(kinds, args) if args.policy is None \
-            else _policies(args.policy)
-        report = run_verify(model, workload, policies=policies, eagle=args.eagle,
-                            settings=settings, attention=attention,
-                            runner_factory=runner_factory)
-        print(f"verify: {source}, {len(workload)} requests, pattern {pattern} {kinds}, "
-              f"block {args.block_size}, window {args.window}, chunk {args.chunk_size}, "
-              f"pool {args.num_blocks}; baseline (no caching): {report.baseline_steps} "
-              f"steps, {report.baseline_preemptions} preemptions")
-        for outcome in report.outcomes:
-            print(outcome.line())
-        ok = ok and report.ok
-    print("all identical" if ok else "DIVERGENCE")
-    return 0 if ok else 1

@@ -24,7 +24,7 @@ a first admission reads the units a hit can use (``(n - 1) // A`` of an ``n``-to
 prompt). Re-admissions after preemption read nothing; the next "use" of a unit whose next
 occurrence recomputes (or re-holds) it is never.
 
->>> from hybridkv.sim.trace import Trace, TraceRequest
+>>> from hybridkv.traces.trace import Trace, TraceRequest
 >>> reqs = tuple(TraceRequest(f"r{i}", 9, 1, block_ids=(ids,), trace_block_size=8)
 ...              for i, ids in enumerate([1, 2, 1, 2, 1]))
 >>> log = AdmissionLog.in_trace_order(Trace("t", reqs))
@@ -52,7 +52,7 @@ other non-full-attention) KV takes no room, and outputs are never reused.
 ``capacity_tokens`` is the pool's token capacity were every non-null block a full-attention
 block: ``(num_blocks - 1) * bs`` (e.g. dsv4-bench, 18,481 blocks of 256 tokens → 4.73 M).
 
->>> from hybridkv.sim.trace import Trace, TraceRequest
+>>> from hybridkv.traces.trace import Trace, TraceRequest
 >>> reqs = tuple(TraceRequest(f"r{i}", 8, 1, block_ids=(ids,), trace_block_size=8)
 ...              for i, ids in enumerate([1, 2, 1, 2, 1]))
 >>> offline_optimum(Trace("t", reqs), capacity_tokens=4, block_size=4, alignment_tokens=4)
@@ -76,7 +76,7 @@ import xxhash
 from hybridkv.config import CacheConfig
 from hybridkv.hashing import encode_token_ids
 from hybridkv.sim.ceiling import HitTotals
-from hybridkv.sim.trace import Trace, TraceRequest, common_prefix_length, expand_prompt
+from hybridkv.traces.trace import Trace, TraceRequest, common_prefix_length, expand_prompt
 
 _NEVER = 1 << 62
 _MASK = 2**64 - 1
@@ -356,7 +356,7 @@ def unit_keys_by_index(trace: Trace, indices: Iterable[int],
     """``unit_keys`` of the requests at ``indices`` (in that order), a block-id request
     reusing the keys its session's previous prompt shares with it from the start.
 
-    >>> from hybridkv.sim.trace import TraceRequest
+    >>> from hybridkv.traces.trace import TraceRequest
     >>> reqs = (TraceRequest("a", 64, 1, block_ids=(1, 2), trace_block_size=32, session_id="s"),
     ...         TraceRequest("b", 96, 1, block_ids=(1, 2, 3), trace_block_size=32,
     ...                      session_id="s"))
@@ -412,7 +412,7 @@ def _unit_ops(trace: Trace, log: AdmissionLog, unit_tokens: int) -> list[_Op]:
     were seen holding since the previous event, then the admission's read, then its own
     insert.
 
-    >>> from hybridkv.sim.trace import TraceRequest
+    >>> from hybridkv.traces.trace import TraceRequest
     >>> reqs = (TraceRequest("r0", 33, 1, block_ids=(1, 2), trace_block_size=16),)
     >>> log = AdmissionLog()
     >>> log.append(0, True, 0, held_units=1)  # the first chunk holds unit 0 of 2
@@ -717,7 +717,7 @@ def both_optima(trace: Trace, log: AdmissionLog,
     occurrences (one ``_unit_ops`` and one next-read pass instead of two; the key
     hashing and next-read pass were about half of each bound's time on WEKA).
 
-    >>> from hybridkv.sim.trace import TraceRequest
+    >>> from hybridkv.traces.trace import TraceRequest
     >>> reqs = tuple(TraceRequest(f"r{i}", 9, 1, block_ids=(ids,), trace_block_size=8)
     ...              for i, ids in enumerate([1, 2, 1]))
     >>> log = AdmissionLog.in_trace_order(Trace("t", reqs))

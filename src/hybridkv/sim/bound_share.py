@@ -16,7 +16,7 @@ replay --jobs`` and ``hybridkv sweep`` (forked processes or Ray) start one bound
 distinct key in the parent (``BoundBroker``).
 
 >>> from hybridkv.sim.bound import AdmissionLog
->>> from hybridkv.sim.trace import Trace, TraceRequest
+>>> from hybridkv.traces.trace import Trace, TraceRequest
 >>> trace = Trace("t", tuple(TraceRequest(f"r{i}", 9, 1, block_ids=(b,), trace_block_size=8)
 ...                          for i, b in enumerate([1, 2, 1])))
 >>> shape = BoundShape(num_blocks=3, unit_tokens=4, unit_blocks=1, fa_block_size=4)
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from hybridkv.sim.bound import AdmissionLog, BoundShape, both_optima
-from hybridkv.sim.trace import Trace, TraceRequest
+from hybridkv.traces.trace import Trace, TraceRequest
 
 if TYPE_CHECKING:
     from hybridkv.sim.replay import RunResult

@@ -10,7 +10,7 @@ content; ids of different blocks expand to disjoint token ids, so a match can on
 trace-block boundary or inside a block some earlier request covered only partly). Token
 traces are matched by chained hashes of ``alignment``-token blocks.
 
->>> from hybridkv.sim.trace import Trace, TraceRequest
+>>> from hybridkv.traces.trace import Trace, TraceRequest
 >>> a = TraceRequest("a", 1000, output_length=1, block_ids=(1, 2), trace_block_size=512)
 >>> b = TraceRequest("b", 1024, output_length=1, block_ids=(1, 2), trace_block_size=512)
 >>> infinite_cache_ceiling(Trace("t", (a, b)), alignment_tokens=256).hit_tokens  # 1000 → 768
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import xxhash
 
 from hybridkv.hashing import encode_token_ids
-from hybridkv.sim.trace import Trace, TraceRequest, expand_prompt
+from hybridkv.traces.trace import Trace, TraceRequest, expand_prompt
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from typing import Protocol
 
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError, InvariantViolation
-from hybridkv.sim.scheduler import SchedRequest, Scheduler, StepPlan
+from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
 from hybridkv.timing import StepCostModel, cost_model, gpu_named
 
 

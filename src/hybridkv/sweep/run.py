@@ -8,7 +8,7 @@ key — cells whose policies logged the same admissions (same trace, model, pool
 
 Both hand each finished cell to ``on_done`` as soon as it finishes (the parent then
 stores it: an interrupted sweep keeps every finished cell). The processes are the ones
-``hybridkv replay --jobs`` uses (``hybridkv.sim.commands._worker_init``): they ignore
+``hybridkv replay --jobs`` uses (``hybridkv.parallel.processes.worker_init``): they ignore
 Ctrl-C (the parent handles it and terminates the pool on the way out), die at once on
 SIGTERM and with their parent (``PR_SET_PDEATHSIG``). The sweep's traces and models reach
 them through ``fork`` (never pickled); only cell indices go in and rows come back.
@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 from rich.progress import Progress
 
+from hybridkv.models.shapes import ModelShape
+from hybridkv.parallel.processes import worker_init
+from hybridkv.parallel.task_feed import TaskFeed
 from hybridkv.sim.bound_share import BoundBroker, BoundPair, set_bounds
-from hybridkv.sim.commands import Source, _worker_init
-from hybridkv.sim.model import ModelShape
-from hybridkv.sim.sweep import (
+from hybridkv.sweep.cells import (
     Cell,
     CellBoundTask,
     CellError,
@@ -41,7 +42,7 @@ from hybridkv.sim.sweep import (
     dispatch_order,
     replay_cell,
 )
-from hybridkv.sim.task_feed import TaskFeed
+from hybridkv.traces.source import Source
 
 OnDone = Callable[[Cell, "Row | CellError"], None]
 """Called in the parent with each finished cell and its outcome."""
@@ -151,7 +152,7 @@ def run_processes(work: SweepWork, cells: Sequence[Cell], jobs: int, on_done: On
             try:
                 workers = min(jobs, len(cells)) or 1
                 pool = stack.enter_context(context.Pool(
-                    workers, initializer=_worker_init, initargs=(os.getpid(),)))
+                    workers, initializer=worker_init, initargs=(os.getpid(),)))
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             try:

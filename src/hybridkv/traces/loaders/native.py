@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Final
 
 from hybridkv.errors import TraceFormatError
-from hybridkv.sim.loaders.fields import (
+from hybridkv.traces.loaders.fields import (
     JsonObject,
     Where,
     check_int_list,
@@ -53,7 +53,7 @@ from hybridkv.sim.loaders.fields import (
     require_int,
     require_int_list,
 )
-from hybridkv.sim.trace import FILL_TOKEN_BASE, Trace, TraceRequest
+from hybridkv.traces.trace import FILL_TOKEN_BASE, Trace, TraceRequest
 
 FORMAT_VERSION: Final = 1
 HEADER_KEY: Final = "hybridkv_trace"

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Final, Literal
 
 from hybridkv.errors import TraceFormatError
-from hybridkv.sim.loaders.fields import read_first_object, require_existing
-from hybridkv.sim.loaders.mooncake import load_mooncake
-from hybridkv.sim.loaders.native import dump_native, is_native_object, load_native
-from hybridkv.sim.loaders.ragpulse import TRACE_FILE_NAME, is_ragpulse_dir, load_ragpulse
-from hybridkv.sim.loaders.weka import is_weka_file, load_weka
-from hybridkv.sim.trace import Trace
+from hybridkv.traces.loaders.fields import read_first_object, require_existing
+from hybridkv.traces.loaders.mooncake import load_mooncake
+from hybridkv.traces.loaders.native import dump_native, is_native_object, load_native
+from hybridkv.traces.loaders.ragpulse import TRACE_FILE_NAME, is_ragpulse_dir, load_ragpulse
+from hybridkv.traces.loaders.weka import is_weka_file, load_weka
+from hybridkv.traces.trace import Trace
 
 TraceFormat = Literal["mooncake", "weka", "ragpulse", "native"]
 

@@ -9,10 +9,10 @@ distinct log (cells whose policies logged the same admissions share that task:
 ``bound_fa``, ``ceiling``, miss causes, timings). ``compute_cell`` does all three in one
 process (the serial sweep; its bounds are memoized per process). They are plain
 top-level functions of picklable values, so a forked ``--jobs`` worker and a Ray task run
-the same code (``hybridkv.sim.sweep_exec``, ``hybridkv.sim.sweep_ray``).
+the same code (``hybridkv.sweep.run``, ``hybridkv.sweep.ray``).
 
 The cell key (``cell_key``) names everything the row depends on, so that a stored row is
-reused only for the very same computation (``hybridkv.sim.sweep_store``):
+reused only for the very same computation (``hybridkv.sweep.store``):
 
 - the source: a trace's *content* fingerprint (every byte of the file, or of every file
   of a trace directory with its relative name) and ``--limit``, or a workload's name and
@@ -47,20 +47,20 @@ from rich.progress import Progress
 
 import hybridkv
 from hybridkv.errors import PoolTooSmallError
+from hybridkv.models.shapes import ModelShape
 from hybridkv.sim.bound import AdmissionLog, BoundShape
 from hybridkv.sim.bound_share import BoundKeys, BoundPair, set_bounds, shared_bounds
-from hybridkv.sim.commands import (
-    Source,
+from hybridkv.sim.misses import MISS_CAUSES
+from hybridkv.sim.replay import ReplaySettings, RunResult
+from hybridkv.sim.run import (
     check_pool_holds_requests,
     log_keys,
     policy_run,
     replay_policy,
     source_ceiling,
 )
-from hybridkv.sim.misses import MISS_CAUSES
-from hybridkv.sim.model import ModelShape
-from hybridkv.sim.replay import ReplaySettings, RunResult
 from hybridkv.sim.timed import TimeSettings
+from hybridkv.traces.source import Source
 
 KEY_FORMAT = 2
 """Bumped when the key material or the row layout changes (old rows are then ignored)."""
@@ -195,7 +195,7 @@ def key_material(source_identity: Mapping[str, object], shape: ModelShape, num_b
 class CellReplay:
     """A cell replayed, its bounds still to come: each scenario's result (with its log
     while its bounds are unknown), the logs' ``BoundKeys``, the pool's ``BoundShape`` and
-    the ceiling. ``hybridkv.sim.sweep_exec`` starts one bound task per distinct key."""
+    the ceiling. ``hybridkv.sweep.run`` starts one bound task per distinct key."""
 
     results: dict[str, RunResult]
     keys: dict[str, BoundKeys]

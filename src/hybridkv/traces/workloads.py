@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping
 from typing import Final
 
 from hybridkv.errors import ConfigError
-from hybridkv.sim.trace import MAX_PROMPT_TOKENS, Trace, TraceRequest
-from hybridkv.sim.workload_limits import check_workload_fits
+from hybridkv.traces.trace import MAX_PROMPT_TOKENS, Trace, TraceRequest
+from hybridkv.traces.workload_limits import check_workload_fits
 
 SEED_BITS: Final = 11
 NAMESPACE_BITS: Final = 37
@@ -393,9 +393,10 @@ def retention_microbench_from_params(**params: object) -> dict[str, Trace]:
 def _check_fits(name: str, generator: Callable[..., object],
                 converted: Mapping[str, object]) -> None:
     """Refuse, before building it, a workload whose trace would not fit in host memory
-    (``hybridkv.sim.workload_limits``)."""
+    (``hybridkv.traces.workload_limits``)."""
     defaults = {k: p.default for k, p in inspect.signature(generator).parameters.items()}
-    check_workload_fits(name, {**defaults, **converted}, given=set(converted))
+    check_workload_fits(name, {**defaults, **converted}, given=set(converted),
+                        generator=WORKLOADS[name])
 
 
 def converted_params(name: str, function: Callable[..., object], params: Mapping[str, object],

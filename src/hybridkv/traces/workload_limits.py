@@ -1,13 +1,13 @@
 """How much host memory a synthetic workload's trace takes, known from its parameters
 before it is built, and the refusal of a workload that would not fit.
 
-A workload (``hybridkv.sim.workloads``) holds every prompt as a tuple of token ids: one
+A workload (``hybridkv.traces.workloads``) holds every prompt as a tuple of token ids: one
 8-byte reference per prompt token of every request, plus one Python ``int`` per distinct
 token (at most 48 bytes: output ids are above ``2**48``). Each workload has a *footprint*,
 a closed form of its parameters counting those references, distinct tokens and requests;
 ``workload_bytes`` prices them and ``check_workload_fits`` compares the total with the
 memory this host has available (``MemAvailable``, the limit pools are held to:
-``hybridkv.sim.limits``). A workload too big is refused before any token is allocated,
+``hybridkv.limits``). A workload too big is refused before any token is allocated,
 naming the parameter that made it big and the largest value of it that fits.
 
 Worked example: ``--workload agentic --set num_sessions=5000`` (the generator's defaults:
@@ -17,8 +17,9 @@ a host with 4 GiB available it is refused at once, and 4,177 sessions would fit:
 
 >>> defaults = {"num_turns": 6, "first_prompt_tokens": 4096, "turn_tokens": 1024,
 ...             "output_tokens": 256, "length_jitter": 0.0, "seed": 0}
+>>> from hybridkv.traces.workloads import agentic
 >>> check_workload_fits("agentic", {"num_sessions": 5000, **defaults},
-...                     given={"num_sessions"}, available=4 << 30)
+...                     given={"num_sessions"}, generator=agentic, available=4 << 30)
 Traceback (most recent call last):
 ...
 hybridkv.errors.ConfigError: num_sessions=5000 is invalid: workload 'agentic' would hold \
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from hybridkv.errors import ConfigError
-from hybridkv.sim.limits import available_memory_bytes, format_bytes
+from hybridkv.limits import available_memory_bytes, format_bytes
 
 BYTES_PER_TOKEN_REF: Final = 8
 """A tuple slot."""
@@ -166,11 +167,14 @@ def workload_bytes(name: str, params: Mapping[str, object]) -> int | None:
 
 
 def check_workload_fits(name: str, params: Mapping[str, object], *,
-                        given: Collection[str], available: int | None = None) -> None:
+                        given: Collection[str], generator: Callable[..., object],
+                        available: int | None = None) -> None:
     """Raise ``ConfigError`` when workload ``name`` with ``params`` (every keyword) would
     not fit the host's available memory, naming the one of the ``given`` parameters (those
     the user set) whose reset to its default saves the most and the largest value of it
-    that fits (bisection over the footprint: nothing is allocated)."""
+    that fits (bisection over the footprint: nothing is allocated). ``generator``: the
+    workload's function (``traces.workloads.WORKLOADS[name]``), whose keyword defaults the
+    reset uses."""
     needed = workload_bytes(name, params)
     if needed is None or name not in FOOTPRINTS:
         return
@@ -178,11 +182,8 @@ def check_workload_fits(name: str, params: Mapping[str, object], *,
         available = available_memory_bytes()
     if available is None or needed <= available:
         return
-    from hybridkv.sim.workloads import WORKLOADS  # workloads imports this module
-
-    defaults = {k: p.default for k, p in
-                inspect.signature(WORKLOADS[name]).parameters.items()}
-    sizes = [k for k in size_parameters(WORKLOADS[name]) if k in given]
+    defaults = {k: p.default for k, p in inspect.signature(generator).parameters.items()}
+    sizes = [k for k in size_parameters(generator) if k in given]
     reason = (f"workload {name!r} would hold ~{format_bytes(needed)} of token ids in host "
               f"memory, but {format_bytes(available)} are available")
     if not sizes:

@@ -27,22 +27,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import hybridkv
+from hybridkv.cli.replay import resolve_settings, resolve_source
 from hybridkv.errors import ConfigError
+from hybridkv.models.shapes import ModelShape, load_model
+from hybridkv.outputs import StagedOutputs, check_output_paths
 from hybridkv.policies import PolicySpec
-from hybridkv.sim.admission import parse_admissions
-from hybridkv.sim.commands import (
-    DEFAULT_MODEL,
-    Source,
-    _has_sessions,
-    parse_policies,
-    resolve_pool,
-    resolve_settings,
-    resolve_source,
-)
-from hybridkv.sim.model import ModelShape, load_model
-from hybridkv.sim.outputs import StagedOutputs, check_output_paths
-from hybridkv.sim.report import plot_sweep, render_sweep_cells
-from hybridkv.sim.sweep import (
+from hybridkv.sched.admission import parse_admissions
+from hybridkv.sim.run import DEFAULT_MODEL, parse_policies, resolve_pool
+from hybridkv.sweep.cells import (
     ROW_FIELDS,
     TIME_FIELDS,
     Cell,
@@ -56,8 +48,10 @@ from hybridkv.sim.sweep import (
     key_material,
     too_small_row,
 )
-from hybridkv.sim.sweep_exec import SweepWork, run_processes, run_serial
-from hybridkv.sim.sweep_store import ResultStore
+from hybridkv.sweep.report import plot_sweep, render_sweep_cells
+from hybridkv.sweep.run import SweepWork, run_processes, run_serial
+from hybridkv.sweep.store import ResultStore
+from hybridkv.traces.source import Source
 
 
 @dataclass(slots=True)
@@ -159,7 +153,7 @@ def plan_cells(args: argparse.Namespace, sources: Sequence[tuple[str, Source, di
     cells: list[Cell] = []
     materials: dict[str, dict[str, object]] = {}
     for source_label, source, identity in sources:
-        policies = parse_policies(args.policy, _has_sessions(source))
+        policies = parse_policies(args.policy, source.has_sessions)
         for model_label, shape in models:
             alignment = shape.cache_config(2).alignment_tokens
             for policy in policies:
@@ -196,7 +190,7 @@ def cmd_sweep(args: argparse.Namespace, console: Console, err_console: Console) 
     store = None if args.results is None else ResultStore.open(args.results)
     ray_address: str | None = args.ray
     if ray_address is not None:
-        from hybridkv.sim.sweep_ray import check_reachable, require_ray
+        from hybridkv.sweep.ray import check_reachable, require_ray
 
         require_ray(ray_address)
         check_reachable(ray_address)
@@ -223,7 +217,7 @@ def cmd_sweep(args: argparse.Namespace, console: Console, err_console: Console) 
                        len(state.resumed)) as progress:
             on_done = _recorder(state, store, materials, progress)
             if ray_address is not None and pending:
-                from hybridkv.sim.sweep_ray import run_ray
+                from hybridkv.sweep.ray import run_ray
 
                 run_ray(work, pending, ray_address, workers, on_done)
             elif workers > 1 and len(pending) > 1:
@@ -273,8 +267,7 @@ def _report(args: argparse.Namespace, console: Console, cells: Sequence[Cell],
     too_small = sum(is_too_small(row) for row in rows)
     console.print(f"{len(cells)} cells: {state.computed} computed, {len(state.resumed)} "
                   f"resumed{where}" + (f", {too_small} too small" if too_small else "")
-                  + (f"; wrote {', '.join(written)}" if rows and written else ""),
-                  soft_wrap=True)
+                  + (f"; wrote {', '.join(written)}" if rows and written else ""))
     return 0
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Final
 
-from hybridkv.sim.loaders.fields import (
+from hybridkv.traces.loaders.fields import (
     JsonObject,
     Where,
     checked,
@@ -23,7 +23,7 @@ from hybridkv.sim.loaders.fields import (
     require_int_list,
     require_number,
 )
-from hybridkv.sim.trace import FILL_TOKEN_BASE, Trace, TraceRequest
+from hybridkv.traces.trace import FILL_TOKEN_BASE, Trace, TraceRequest
 
 MOONCAKE_BLOCK_SIZE: Final = 512
 """Tokens per Mooncake trace block."""

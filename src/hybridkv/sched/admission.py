@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from hybridkv.block import Block
     from hybridkv.cache import PrefixHit
     from hybridkv.ids import BlockHash
-    from hybridkv.sim.scheduler import SchedRequest
+    from hybridkv.sched.scheduler import SchedRequest
 
 _Probes = tuple[tuple["Mapping[BlockHash, Block]", "BlockHash"], ...]
 _WindowProbes = tuple[tuple["Mapping[BlockHash, Block]", tuple["BlockHash", ...]], ...]

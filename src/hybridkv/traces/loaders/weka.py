@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from hybridkv.sim.loaders.fields import (
+from hybridkv.traces.loaders.fields import (
     JsonObject,
     Where,
     checked,
@@ -37,7 +37,7 @@ from hybridkv.sim.loaders.fields import (
     require_int_list,
     require_number,
 )
-from hybridkv.sim.trace import Trace, TraceRequest
+from hybridkv.traces.trace import Trace, TraceRequest
 
 WEKA_BLOCK_SIZE: Final = 64
 """Tokens per WEKA trace block (the files' ``block_size``)."""

@@ -5,7 +5,7 @@ Each finished cell is one file ``DIR/cell-<key>.json`` holding its key material 
 row, written atomically (``StagedOutputs``: a temporary file renamed into place) the
 moment the cell finishes, so an interrupted sweep keeps every finished cell and never a
 partial one. A re-run reuses a stored row only when the file parses, names the same key
-and holds the same key material (``hybridkv.sim.sweep.key_material``); anything else is
+and holds the same key material (``hybridkv.sweep.cells.key_material``); anything else is
 recomputed and overwritten. Failed cells are not stored.
 
 >>> import tempfile
@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hybridkv.errors import OutputPathError
-from hybridkv.sim.outputs import StagedOutputs, path_mode, probe_directory
+from hybridkv.outputs import StagedOutputs, path_mode, probe_directory
 
 FLAG = "--results"
 

@@ -1,5 +1,5 @@
 """What ``hybridkv replay --events / --metrics`` attach to a run: the KV event stream
-(``hybridkv.events``) and the Prometheus metrics (``hybridkv.metrics``).
+(``hybridkv.events``) and the Prometheus metrics (``hybridkv.sim.metrics``).
 
 ``--events ENDPOINT`` publishes every step's events (vLLM's ZMQ semantics, see
 ``events.publisher``); ``--events-replay ENDPOINT`` serves replays of the buffered batches;
@@ -27,9 +27,9 @@ from hybridkv.errors import ConfigError
 if TYPE_CHECKING:
     from hybridkv.cache import KVCacheManager
     from hybridkv.events.publisher import ZmqEventPublisher
-    from hybridkv.metrics import CacheMetrics
+    from hybridkv.sched.scheduler import Scheduler
+    from hybridkv.sim.metrics import CacheMetrics
     from hybridkv.sim.replay import ReplayObserver
-    from hybridkv.sim.scheduler import Scheduler
 
 MAX_PORT = 65535
 
@@ -146,7 +146,7 @@ def _open_metrics(observing: Observing, target: int | Path, model_name: str) -> 
     try:
         from prometheus_client import start_http_server
 
-        from hybridkv.metrics import CacheMetrics, ReplayMetrics
+        from hybridkv.sim.metrics import CacheMetrics, ReplayMetrics
     except ImportError as err:
         raise ConfigError("--metrics", str(target), "needs prometheus_client: pip install "
                           f"'hybridkv[metrics]' ({err})") from err

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from hybridkv.sim.loaders.fields import (
+from hybridkv.traces.loaders.fields import (
     JsonObject,
     Where,
     checked,
@@ -34,7 +34,7 @@ from hybridkv.sim.loaders.fields import (
     require_int,
     require_str,
 )
-from hybridkv.sim.trace import Trace, TraceRequest
+from hybridkv.traces.trace import Trace, TraceRequest
 
 
 @dataclass(frozen=True, slots=True)

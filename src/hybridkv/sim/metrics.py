@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 if TYPE_CHECKING:
     from hybridkv.cache import KVCacheManager
-    from hybridkv.sim.scheduler import Scheduler
+    from hybridkv.sched.scheduler import Scheduler
 
 PREFIX = "hybridkv:"
 

@@ -1,6 +1,6 @@
 """Model shapes from TOML: which attention kind each layer has, its block size and KV bytes.
 
-A shape is data, not code: bundled presets live in ``sim/presets/*.toml`` and users pass
+A shape is data, not code: bundled presets live in ``models/presets/*.toml`` and users pass
 their own file. The format (also in ``docs/model-format.md``)::
 
     name = "gemma3-27b"        # optional, default: the file stem
@@ -48,38 +48,19 @@ from typing import Final
 
 from hybridkv.config import CacheConfig, plan_cache_groups
 from hybridkv.errors import ConfigError
+from hybridkv.models.kinds import KIND_KEYS, KV_KEYS, parse_kind, positive_int, reject_unknown
 from hybridkv.recurrent import (
     align_hybrid_block_size,
-    gated_delta_net_state_bytes,
-    mamba1_state_bytes,
-    mamba2_state_bytes,
 )
 from hybridkv.specs import (
-    ChunkedLocalSpec,
-    FullAttentionSpec,
     LayerSpec,
     RecurrentStateSpec,
-    SlidingWindowSpec,
-    kv_bytes_per_token,
 )
 
 PRESET_SUFFIX: Final = ".toml"
 
-_KV_KEYS: Final = ("block_size", "dtype_bytes", "num_kv_heads", "head_dim",
-                   "kv_bytes_per_token")
-_RECURRENT_KEYS: Final = ("mixer", "state_bytes", "num_k_heads", "num_v_heads", "head_k_dim",
-                          "head_v_dim", "num_ssm_heads", "ssm_head_dim", "n_groups",
-                          "state_size", "intermediate_size", "conv_kernel",
-                          "conv_dtype_bytes", "ssm_dtype_bytes")
 _TOP_KEYS: Final = frozenset({"name", "description", "layers", "num_layers", "pattern",
-                              "kinds", "unify_block_size", *_KV_KEYS})
-_V4_KEYS: Final = frozenset({"tokens_per_state", "entry_bytes", "page_alignment", "role"})
-_KIND_KEYS: Final = frozenset({"kind", "window", "chunk", *_KV_KEYS, *_RECURRENT_KEYS,
-                               *_V4_KEYS})
-_V4_KINDS: Final = ("compressed_attention", "sliding_window_mla", "compressor_state",
-                    "ring_buffer")
-_KINDS: Final = ("full_attention", "sliding_window", "chunked_local", "recurrent_state",
-                 *_V4_KINDS)
+                              "kinds", "unify_block_size", *KV_KEYS})
 
 SIZE_UNITS: Final = {
     "": 1, "B": 1,
@@ -139,7 +120,7 @@ class ModelShape:
 
 def list_presets() -> list[str]:
     """Names of the bundled presets, sorted."""
-    folder = resources.files("hybridkv.sim") / "presets"
+    folder = resources.files("hybridkv.models") / "presets"
     return sorted(entry.name.removesuffix(PRESET_SUFFIX) for entry in folder.iterdir()
                   if entry.name.endswith(PRESET_SUFFIX))
 
@@ -155,7 +136,7 @@ def load_model(name_or_path: str | Path) -> ModelShape:
         raise ConfigError("model", text, f"is empty; name a preset ({', '.join(list_presets())})"
                                          " or a .toml file")
     if text in list_presets():
-        preset = resources.files("hybridkv.sim") / "presets" / (text + PRESET_SUFFIX)
+        preset = resources.files("hybridkv.models") / "presets" / (text + PRESET_SUFFIX)
         return parse_model(preset.read_text(encoding="utf-8"), source=f"preset {text}",
                            default_name=text)
     path = Path(name_or_path)
@@ -185,8 +166,8 @@ def parse_model(text: str, *, source: str = "<string>", default_name: str = "mod
     except ValueError as err:  # an integer longer than sys.get_int_max_str_digits()
         raise ConfigError(f"{source}: <toml>", "…",
                           f"unreadable value: {str(err).split(':')[0]}") from err
-    _reject_unknown(doc, _TOP_KEYS, source, "")
-    defaults: dict[str, object] = {key: doc[key] for key in _KV_KEYS if key in doc}
+    reject_unknown(doc, _TOP_KEYS, source, "")
+    defaults: dict[str, object] = {key: doc[key] for key in KV_KEYS if key in doc}
     has_runs, has_pattern = "layers" in doc, "pattern" in doc
     if has_runs == has_pattern:
         raise ConfigError(f"{source}: layers", None,
@@ -216,19 +197,19 @@ def _layers_from_runs(runs: object, defaults: dict[str, object], source: str,
         where = f"layers[{idx}]."
         if not isinstance(run, dict):
             raise ConfigError(f"{source}: layers[{idx}]", run, "must be a table")
-        _reject_unknown(run, _KIND_KEYS | {"count"}, source, where)
-        count = _positive_int(run.get("count", 1), source, where + "count")
+        reject_unknown(run, KIND_KEYS | {"count"}, source, where)
+        count = positive_int(run.get("count", 1), source, where + "count")
         if len(layers) + count > MAX_LAYERS:
             raise ConfigError(f"{source}: {where}count", count,
                               f"the runs add up to more than {MAX_LAYERS} layers")
-        spec = _spec(run, defaults, source, where)
+        spec = parse_kind(run, defaults, source, where)
         layers.extend([spec] * count)
     return layers
 
 
 def _layers_from_pattern(doc: dict[str, object], defaults: dict[str, object], source: str,
                          ) -> list[LayerSpec]:
-    num_layers = _positive_int(doc.get("num_layers"), source, "num_layers")
+    num_layers = positive_int(doc.get("num_layers"), source, "num_layers")
     if num_layers > MAX_LAYERS:
         raise ConfigError(f"{source}: num_layers", num_layers, f"at most {MAX_LAYERS} layers")
     pattern, kinds = doc["pattern"], doc.get("kinds")
@@ -254,9 +235,9 @@ def _kind_specs(kinds: dict[str, object], name: str, defaults: dict[str, object]
     table = kinds[name]
     assert isinstance(table, dict)
     if "caches" not in table:
-        _reject_unknown(table, _KIND_KEYS, source, f"kinds.{name}.")
-        return [_spec(table, defaults, source, f"kinds.{name}.")]
-    _reject_unknown(table, frozenset({"caches"}), source, f"kinds.{name}.")
+        reject_unknown(table, KIND_KEYS, source, f"kinds.{name}.")
+        return [parse_kind(table, defaults, source, f"kinds.{name}.")]
+    reject_unknown(table, frozenset({"caches"}), source, f"kinds.{name}.")
     caches = table["caches"]
     def single(c: object) -> bool:
         table = kinds.get(c) if isinstance(c, str) else None
@@ -266,91 +247,6 @@ def _kind_specs(kinds: dict[str, object], name: str, defaults: dict[str, object]
         raise ConfigError(f"{source}: kinds.{name}.caches", caches,
                           "must list names of single-cache [kinds.*] tables")
     return [spec for cache in caches for spec in _kind_specs(kinds, cache, defaults, source)]
-
-
-def _spec(table: dict[str, object], defaults: dict[str, object], source: str, where: str,
-          ) -> LayerSpec:
-    merged = {**defaults, **table}
-    kind = merged.get("kind")
-    if kind not in _KINDS:
-        raise ConfigError(f"{source}: {where}kind", kind, f"choose one of {list(_KINDS)}")
-    if kind in _V4_KINDS:
-        from hybridkv.sim.compressed_kinds import v4_spec
-        return v4_spec(str(kind), merged, table, source, where)
-    for key in sorted(_V4_KEYS & set(table)):
-        raise ConfigError(f"{source}: {where}{key}", table[key],
-                          f"only {', '.join(_V4_KINDS)} layers take {key!r}")
-    block_size = _positive_int(merged.get("block_size"), source, where + "block_size")
-    recurrent_keys = sorted(k for k in table if k in _RECURRENT_KEYS)
-    if kind == "recurrent_state":
-        return RecurrentStateSpec(block_size, _state_bytes(merged, source, where))
-    if recurrent_keys:
-        raise ConfigError(f"{source}: {where}{recurrent_keys[0]}", table[recurrent_keys[0]],
-                          "only recurrent_state layers take it")
-    kv_bytes = _kv_bytes(merged, source, where)
-    extra = {"sliding_window": "window", "chunked_local": "chunk"}
-    for other_kind, key in extra.items():
-        if key in table and kind != other_kind:
-            raise ConfigError(f"{source}: {where}{key}", table[key], f"only {other_kind} "
-                                                                     f"layers take {key!r}")
-    if kind == "sliding_window":
-        window = _positive_int(merged.get("window"), source, where + "window")
-        return SlidingWindowSpec(block_size, kv_bytes, window)
-    if kind == "chunked_local":
-        chunk = _positive_int(merged.get("chunk"), source, where + "chunk")
-        return ChunkedLocalSpec(block_size, kv_bytes, chunk)
-    return FullAttentionSpec(block_size, kv_bytes)
-
-
-_MIXER_FIELDS: Final = {
-    "gated_delta_net": ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim",
-                        "conv_kernel"),
-    "mamba2": ("num_ssm_heads", "ssm_head_dim", "n_groups", "state_size", "conv_kernel"),
-    "mamba": ("intermediate_size", "state_size", "conv_kernel"),
-}
-
-
-def _state_bytes(merged: dict[str, object], source: str, where: str) -> int:
-    """One layer's checkpoint bytes: ``state_bytes`` as given, or computed from a
-    ``mixer``'s public config fields (``hybridkv.recurrent``)."""
-    mixer = merged.get("mixer")
-    if mixer is None:
-        if merged.get("state_bytes") is None:
-            raise ConfigError(f"{source}: {where}mixer", None,
-                              f"give state_bytes or a mixer: one of {sorted(_MIXER_FIELDS)}")
-        return _positive_int(merged["state_bytes"], source, where + "state_bytes")
-    if mixer not in _MIXER_FIELDS:
-        raise ConfigError(f"{source}: {where}mixer", mixer,
-                          f"choose one of {sorted(_MIXER_FIELDS)}")
-    if merged.get("state_bytes") is not None:
-        raise ConfigError(f"{source}: {where}state_bytes", merged["state_bytes"],
-                          "give either state_bytes or a mixer, not both")
-    values = {key: _positive_int(merged.get(key), source, where + key)
-              for key in _MIXER_FIELDS[mixer]}
-    dtype = merged.get("dtype_bytes", 2)
-    conv_bytes = _positive_int(merged.get("conv_dtype_bytes", dtype), source,
-                               where + "conv_dtype_bytes")
-    ssm_bytes = _positive_int(merged.get("ssm_dtype_bytes", dtype), source,
-                              where + "ssm_dtype_bytes")
-    if mixer == "gated_delta_net":
-        return gated_delta_net_state_bytes(
-            num_k_heads=values["num_k_heads"], num_v_heads=values["num_v_heads"],
-            head_k_dim=values["head_k_dim"], head_v_dim=values["head_v_dim"],
-            conv_kernel=values["conv_kernel"], conv_dtype_bytes=conv_bytes,
-            ssm_dtype_bytes=ssm_bytes)
-    if mixer == "mamba2":
-        inner = merged.get("intermediate_size")
-        return mamba2_state_bytes(
-            num_heads=values["num_ssm_heads"], head_dim=values["ssm_head_dim"],
-            n_groups=values["n_groups"], state_size=values["state_size"],
-            conv_kernel=values["conv_kernel"], conv_dtype_bytes=conv_bytes,
-            ssm_dtype_bytes=ssm_bytes,
-            intermediate_size=None if inner is None
-            else _positive_int(inner, source, where + "intermediate_size"))
-    return mamba1_state_bytes(
-        intermediate_size=values["intermediate_size"], state_size=values["state_size"],
-        conv_kernel=values["conv_kernel"], conv_dtype_bytes=conv_bytes,
-        ssm_dtype_bytes=ssm_bytes)
 
 
 def unify_recurrent_block_size(layers: list[LayerSpec]) -> list[LayerSpec]:
@@ -372,30 +268,6 @@ def unify_recurrent_block_size(layers: list[LayerSpec]) -> list[LayerSpec]:
         attn_bytes_per_token=max(s.kv_bytes_per_token for s in attention),
         state_bytes=max(states), min_block_size=max(s.block_size for s in attention))
     return [replace(spec, block_size=block_size) for spec in layers]
-
-
-def _kv_bytes(merged: dict[str, object], source: str, where: str) -> int:
-    if merged.get("kv_bytes_per_token") is not None:
-        return _positive_int(merged["kv_bytes_per_token"], source, where + "kv_bytes_per_token")
-    heads = _positive_int(merged.get("num_kv_heads"), source, where + "num_kv_heads")
-    head_dim = _positive_int(merged.get("head_dim"), source, where + "head_dim")
-    dtype_bytes = _positive_int(merged.get("dtype_bytes"), source, where + "dtype_bytes")
-    return kv_bytes_per_token(heads, head_dim, dtype_bytes)
-
-
-def _positive_int(value: object, source: str, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        fix = "is missing" if value is None else "must be a positive integer"
-        raise ConfigError(f"{source}: {field}", value, fix)
-    return value
-
-
-def _reject_unknown(table: dict[str, object], allowed: frozenset[str], source: str,
-                    where: str) -> None:
-    unknown = sorted(set(table) - allowed)
-    if unknown:
-        raise ConfigError(f"{source}: {where}{unknown[0]}", table[unknown[0]],
-                          f"unknown key; allowed: {sorted(allowed)}")
 
 
 def parse_size(size: str | int) -> int:

@@ -1,104 +1,40 @@
-"""Implementations of ``hybridkv replay``, ``sweep`` and ``check-trace``.
-
-Argument parsing lives in ``hybridkv.cli``; this module resolves traces, workloads, models
-and pool sizes, runs the replays and renders the reports.
+"""Replays of one source under many policies and admission orders, with their reference
+limits (ceiling, offline bound): serially or on ``jobs`` forked processes (bounds shared
+per distinct admission log). The library behind ``hybridkv replay`` (``hybridkv.cli.replay``)
+and the sweep's cells.
 """
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import multiprocessing
 import os
-import signal
-import statistics
-import sys
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError, PoolTooSmallError
-from hybridkv.observe import open_observers, parse_metrics_target
+from hybridkv.limits import check_pool_fits
+from hybridkv.models.shapes import ModelShape, num_blocks_for_memory, parse_size
+from hybridkv.parallel.processes import worker_init
+from hybridkv.parallel.task_feed import TaskFeed
 from hybridkv.policies import CORE_POLICIES, PolicySpec
-from hybridkv.sim.admission import parse_admissions
 from hybridkv.sim.bound import AdmissionLog, BoundShape, offline_optimum
 from hybridkv.sim.bound_share import BoundBroker, BoundKeys, BoundPair, set_bounds, shared_bounds
 from hybridkv.sim.ceiling import infinite_cache_ceiling
-from hybridkv.sim.limits import check_pool_fits
-from hybridkv.sim.loaders import load_trace
-from hybridkv.sim.model import ModelShape, load_model, num_blocks_for_memory, parse_size
-from hybridkv.sim.outputs import StagedOutputs, check_output_paths
-from hybridkv.sim.replay import (
-    ProgressFn,
-    ReplaySettings,
-    RunResult,
-    attach_bounds,
-    replay,
-)
-from hybridkv.sim.report import (
-    PolicyRun,
-    Report,
-    plot_policies,
-    render_table,
-)
-from hybridkv.sim.task_feed import TaskFeed
-from hybridkv.sim.timed import parse_time_settings
-from hybridkv.sim.trace import Trace
-from hybridkv.sim.workloads import (
-    WORKLOAD_DEFAULTS,
-    make_workload,
-    retention_microbench_from_params,
-)
+from hybridkv.sim.replay import ProgressFn, ReplaySettings, RunResult, attach_bounds, replay
+from hybridkv.sim.report import PolicyRun
+from hybridkv.traces.source import MICROBENCH, Source
+from hybridkv.traces.trace import Trace
 
-DEFAULT_WORKLOAD = "agentic"
 DEFAULT_MODEL = "gemma3-bench"
 DEFAULT_KV_MEMORY = "64GiB"
-DEFAULT_WORKLOAD_PARAMS: dict[str, object] = {
-    "num_sessions": 32, "num_turns": 8, "first_prompt_tokens": 8192, "turn_tokens": 2048,
-    "length_jitter": 0.5,
-}
-"""The bundled default run (``hybridkv replay`` with no arguments): 32 interleaved agentic
-sessions of 8 turns (8k-token start, ~2k new tokens a turn, contexts up to ~27k tokens) on
-``gemma3-bench`` with 64 GiB of KV memory, where dense window tails flush the prefixes of
-other sessions and sparse retention keeps them."""
-MICROBENCH = "retention-microbench"
 PROTOCOL_POOLS = {(MICROBENCH, "dsv4-bench"): 3_716, (MICROBENCH, "gemma3-bench"): 60_230}
 """Pool sizes the replay protocol fixes for the retention microbenchmark."""
-
-
-@dataclass(frozen=True, slots=True)
-class Source:
-    """A resolved trace or workload: one trace, or scenarios keyed by fraction."""
-
-    name: str
-    workload: str | None
-    scenarios: dict[str, Trace]
-    protocol_defaults: dict[str, int]
-    params: dict[str, object] = field(default_factory=dict)
-    """The workload parameters given with ``--set`` (and the default run's)."""
-
-    def describe(self) -> str:
-        """One line for the report: the workload and its parameters, or the trace.
-
-        >>> Source("aba", "aba", {}, {}, {"prompt_tokens": "64"}).describe()
-        'workload aba (prompt_tokens=64)'
-        """
-        if self.workload is None:
-            trace = next(iter(self.scenarios.values()))
-            return f"trace {trace.source or trace.name} ({len(trace.requests):,} requests)"
-        params = ", ".join(f"{k}={v}" for k, v in self.params.items())
-        return f"workload {self.workload}" + (f" ({params})" if params else "")
-
-    @property
-    def is_multi_scenario(self) -> bool:
-        return self.workload == MICROBENCH
 
 
 ALL_RETENTIONS = ("prepend", "latest", "interval:32768")
@@ -161,91 +97,11 @@ def _policy_error(name: str, err: ConfigError) -> ConfigError:
     return ConfigError("--policy", name, f"{hint}{err.fix}")
 
 
-def parse_params(items: Sequence[str]) -> dict[str, object]:
-    """``KEY=VALUE`` pairs, values kept as text: the workload converts each to its
-    parameter's type (``fractions=0.1,0.5`` → a tuple).
-
-    >>> parse_params(["num-sessions=8", "fractions=0.1,0.5"])
-    {'num_sessions': '8', 'fractions': '0.1,0.5'}
-    """
-    params: dict[str, object] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError("--set", item, "use KEY=VALUE, e.g. --set num_sessions=8")
-        if not value.strip():
-            raise ConfigError("--set", item, f"give {key.strip()} a value, e.g. {key.strip()}=8")
-        name = key.strip().replace("-", "_")
-        if name in params:
-            raise ConfigError("--set", item, f"{name} is set twice")
-        params[name] = value.strip()
-    return params
-
-
-def resolve_source(args: argparse.Namespace) -> Source:
-    params = parse_params(args.set)
-    if args.trace is not None:
-        if params:
-            raise ConfigError("--set", args.set, "workload parameters need --workload, not --trace")
-        trace = load_trace(args.trace, limit=args.limit)
-        if not trace.requests:
-            raise ConfigError("--trace", args.trace, "holds no requests")
-        return Source(trace.name, None, {"": trace}, {})
-    name = args.workload or DEFAULT_WORKLOAD
-    if args.workload is None:
-        params = {**DEFAULT_WORKLOAD_PARAMS, **params}
-    defaults = dict(WORKLOAD_DEFAULTS.get(name, {}))
-    if name == MICROBENCH:
-        scenarios = retention_microbench_from_params(**params)
-    else:
-        scenarios = {"": make_workload(name, **params)}
-    if args.limit is not None:
-        scenarios = {k: Trace(t.name, t.requests[: args.limit]) for k, t in scenarios.items()}
-    return Source(name, name, scenarios, defaults, params)
-
-
-def _has_sessions(source: Source) -> bool:
-    return any(r.session_id is not None for t in source.scenarios.values() for r in t.requests)
-
-
-def resolve_settings(args: argparse.Namespace, source: Source) -> ReplaySettings:
-    defaults = source.protocol_defaults
-    max_running = (defaults.get("max_running", 16) if args.max_running is None
-                   else args.max_running)
-    chunk_size = defaults.get("chunk_size", 8192) if args.chunk_size is None else args.chunk_size
-    for flag, value in (("--max-running", max_running), ("--chunk-size", chunk_size)):
-        if value <= 0:
-            raise ConfigError(flag, value, "must be a positive integer")
-    timing = parse_time_settings(
-        clock=getattr(args, "clock", "step"), model=_model_name(args), gpu=args.gpu,
-        tp=args.tp, time_scale=args.time_scale, rate=args.rate,
-        slo=args.slo) if getattr(args, "clock", "step") != "step" else None
-    if timing is not None and timing.rate is None and any(
-            r.arrival_seconds is None for t in source.scenarios.values() for r in t.requests):
-        raise ConfigError("--clock", "time", f"{source.name} has no arrival times: add "
-                          "--rate REQUESTS_PER_SECOND (Poisson arrivals)")
-    return ReplaySettings(max_running=max_running, chunk_size=chunk_size,
-                          check_invariants=bool(getattr(args, "paranoid", False)),
-                          timing=timing)
-
-
-def _model_name(args: argparse.Namespace) -> str:
-    """The preset whose matrix sizes the time model uses; ``""`` for a sweep's several
-    models (each cell sets its own: ``sim.sweep.replay_cell``)."""
-    model = args.model or DEFAULT_MODEL
-    if isinstance(model, list):
-        names = [n for m in model for n in m.split(",") if n]
-        if len(names) != 1:
-            return ""
-        model = names[0]
-    return Path(model).stem if model.endswith(".toml") else model
-
-
 def resolve_pool(num_blocks: int | None, kv_memory: str | None, shape: ModelShape,
                  source: Source, *, num_processes: int = 1) -> int:
     """Pool size in blocks from ``--num-blocks`` or ``--kv-memory`` (or the protocol's or
     the default), refused when it is below 2 blocks or its bookkeeping would not fit in
-    this host's available memory (``hybridkv.sim.limits``)."""
+    this host's available memory (``hybridkv.limits``)."""
     if num_blocks is not None:
         if num_blocks < 2:
             raise ConfigError("--num-blocks", num_blocks, "must be >= 2 (block 0 is reserved)")
@@ -294,14 +150,9 @@ def pool_summary(shape: ModelShape, config: CacheConfig) -> dict[str, object]:
             "pool_bytes": config.num_blocks * bytes_per_block}
 
 
-def make_config(shape: ModelShape, num_blocks: int, args: argparse.Namespace,
-                settings: ReplaySettings) -> CacheConfig:
-    return shape.cache_config(num_blocks, hash_algo=args.hash_algo, use_eagle=args.eagle,
-                              max_num_batched_tokens=settings.chunk_size)
-
 
 @contextmanager
-def _progress(enabled: bool) -> Iterator[Progress | None]:
+def progress_bar(enabled: bool) -> Iterator[Progress | None]:
     if not enabled:
         yield None
         return
@@ -412,41 +263,6 @@ def source_limits(source: Source, config: CacheConfig) -> Limits:
     return Limits(source_ceiling(source, config.alignment_tokens), None)
 
 
-PR_SET_PDEATHSIG = 1
-"""``prctl`` option: the signal a process gets when its parent dies (Linux)."""
-
-
-def _worker_init(parent_pid: int) -> None:
-    """Set up a ``--jobs`` worker: the parent alone handles Ctrl-C (it then terminates the
-    pool); SIGTERM kills the worker at once; the parent's death sends it SIGTERM
-    (``PR_SET_PDEATHSIG`` on Linux, else a thread polling the parent's pid)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    # a parent that starts its pool with both blocked (sweep_exec) hands them over now
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-    if not _set_parent_death_signal():
-        threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
-    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
-        os._exit(1)
-
-
-def _set_parent_death_signal() -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _exit_with_parent(parent_pid: int) -> None:  # pragma: no cover - non-Linux fallback
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
-    os._exit(1)
-
 
 def _run_in_worker(item: tuple[int, Task] | BoundTask) -> Replayed | Limits | BoundPair:
     """One task of a parallel run: a bound, the limits, or a replay (``(position, task)``;
@@ -495,7 +311,7 @@ def run_policies(source: Source, config: CacheConfig, policies: Sequence[str],
     all_tasks = [(p, a) for a in (admissions or (settings.admission,)) for p in policies]
     if jobs == 1 or len(all_tasks) == 1:
         limits = source_limits(source, config)
-        with _progress(show_progress) as progress:
+        with progress_bar(show_progress) as progress:
             return limits, [run_policy(source, config, p, replace(settings, admission=a),
                                        progress) for p, a in all_tasks]
     return _run_parallel(source, config, settings, all_tasks, jobs, show_progress)
@@ -513,8 +329,8 @@ def _run_parallel(source: Source, config: CacheConfig, settings: ReplaySettings,
         context = multiprocessing.get_context("fork")
         # NOTE: leaving the with block (results, Ctrl-C, SIGTERM turned into an exception by
         # the CLI) terminates the workers: Pool.__exit__ calls terminate()
-        with _progress(show_progress) as progress, context.Pool(
-                jobs, initializer=_worker_init, initargs=(os.getpid(),)) as pool:
+        with progress_bar(show_progress) as progress, context.Pool(
+                jobs, initializer=worker_init, initargs=(os.getpid(),)) as pool:
             task = None if progress is None else progress.add_task(
                 f"{len(all_tasks)} replays on {jobs} processes", total=len(all_tasks) + 1)
             tasks = [*all_tasks, _LIMITS]
@@ -638,97 +454,8 @@ def source_ceiling(source: Source, alignment_tokens: int) -> float:
     return hits / prompt if prompt else 0.0
 
 
-def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console) -> int:
-    metrics = None if getattr(args, "metrics", None) is None else \
-        parse_metrics_target(args.metrics)
-    outputs = check_output_paths([("--json", args.json), ("--plot", args.plot),
-                                  ("--metrics", metrics if isinstance(metrics, Path) else None)])
-    json_path, plot_path = outputs["--json"], outputs["--plot"]
-    if isinstance(metrics, Path):
-        metrics = outputs["--metrics"]
-    source = resolve_source(args)
-    shape = load_model(DEFAULT_MODEL if args.model is None else args.model)
-    settings = resolve_settings(args, source)
-    jobs = args.jobs
-    num_blocks = resolve_pool(args.num_blocks, args.kv_memory, shape, source,
-                              num_processes=jobs)
-    config = make_config(shape, num_blocks, args, settings)
-    policies = parse_policies(args.policy, _has_sessions(source))
-    admissions = parse_admissions(args.admission)
-    for policy in policies:
-        PolicySpec.parse(policy).retention_policy().validate(
-            config.alignment_tokens, True)
-    check_pool_holds_requests(source, config)
-    observing = open_observers(
-        events=getattr(args, "events", None), events_replay=getattr(args, "events_replay", None),
-        metrics=metrics, model_name=shape.name, num_runs=len(policies) * len(admissions),
-        jobs=jobs)
-    try:
-        settings = replace(settings, observers=observing.observers)
-        limits, runs = run_policies(source, config, policies, settings, jobs=jobs,
-                                    show_progress=not args.quiet, admissions=admissions)
-        report = Report(source.name, shape.name, limits.ceiling, runs, {
-            **pool_summary(shape, config), "workload": source.describe(),
-            "max_running": settings.max_running,
-            "chunk_size": settings.chunk_size, "hash_algo": args.hash_algo,
-            "eagle": args.eagle,
-        }, _max_rate([run.result.bound for run in runs]),
-            _max_rate([run.result.bound_fa for run in runs]))
-        render_table(report, console, detail=args.detail)
-        with StagedOutputs() as staged:
-            if json_path is not None:
-                staged.stage("--json", json_path, report.write_json)
-            if plot_path is not None:
-                staged.stage("--plot", plot_path, lambda tmp: plot_policies(
-                    report, tmp, format=plot_path.suffix.lstrip(".").lower()))
-            if observing.metrics_path is not None:
-                staged.stage("--metrics", observing.metrics_path, observing.write_metrics)
-            staged.commit()
-        if getattr(args, "linger_seconds", 0.0) > 0:
-            err_console.print(f"serving the event replay / metrics for "
-                              f"{args.linger_seconds:g} s")
-            observing.linger(args.linger_seconds)
-    finally:
-        observing.close()
-    return 0
-
-
-def _max_rate(rates: Sequence[float | None]) -> float | None:
-    """The report-level bound: the largest per-run one, so it bounds every run shown."""
-    known = [r for r in rates if r is not None]
-    return max(known) if known else None
-
-
-def cmd_sweep(args: argparse.Namespace, console: Console, err_console: Console) -> int:
-    """``hybridkv sweep`` (``hybridkv.sim.sweep_command``)."""
-    from hybridkv.sim.sweep_command import cmd_sweep as run_sweep
-
-    return run_sweep(args, console, err_console)
-
-
-def cmd_check_trace(args: argparse.Namespace, console: Console, err_console: Console) -> int:
-    trace = load_trace(args.path, limit=args.limit)
-    shape = load_model(DEFAULT_MODEL if args.model is None else args.model)
-    alignment = shape.cache_config(2).alignment_tokens
-    lengths = [r.input_length for r in trace.requests]
-    if not lengths:
-        raise ConfigError("path", args.path, "the trace holds no requests")
-    sessions = {r.session_id for r in trace.requests if r.session_id is not None}
-    ceiling = infinite_cache_ceiling(trace, alignment)
-    quantiles = statistics.quantiles(lengths, n=100) if len(lengths) > 1 else [lengths[0]] * 99
-    console.print(f"trace        {trace.name}")
-    console.print(f"requests     {len(lengths):,}   sessions {len(sessions):,}")
-    console.print(f"input tokens total {sum(lengths):,}   mean {statistics.fmean(lengths):,.0f}"
-                  f"   p50 {quantiles[49]:,.0f}   p99 {quantiles[98]:,.0f}")
-    outputs = [r.output_length for r in trace.requests]
-    console.print(f"output tokens total {sum(outputs):,}   mean {statistics.fmean(outputs):,.1f}")
-    console.print(f"ceiling      {100 * ceiling.hit_rate:.2f}% (infinite cache, hits aligned to "
-                  f"{alignment} tokens of {shape.name})")
-    del err_console
-    return 0
-
-
-__all__: Sequence[str] = (
-    "DEFAULT_MODEL", "DEFAULT_WORKLOAD", "cmd_check_trace", "cmd_replay", "cmd_sweep",
-)
-
+__all__ = [
+    "DEFAULT_MODEL", "Limits", "all_policies", "check_pool_holds_requests",
+    "log_keys", "parse_policies", "policy_run", "pool_summary", "progress_bar", "replay_policy",
+    "resolve_pool", "run_policies", "scenario_bounds", "source_bound", "source_ceiling",
+]

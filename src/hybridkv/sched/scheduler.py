@@ -36,7 +36,7 @@ from hybridkv.block import Block
 from hybridkv.cache import Allocation, PrefixHit
 from hybridkv.errors import ConfigError, RequestError
 from hybridkv.ids import BlockHash
-from hybridkv.sim.admission import AdmissionOrder, StarvationGuard, make_admission_order
+from hybridkv.sched.admission import AdmissionOrder, StarvationGuard, make_admission_order
 
 
 @dataclass(slots=True)

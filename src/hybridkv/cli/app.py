@@ -4,7 +4,7 @@ Exit codes: 0 success; 1 ``verify`` found a divergence, or a bug (its traceback 
 2 bad input: a ``HybridKVError`` or a bad option, as one line on stderr naming what was
 typed and the fix; 130 Ctrl-C (SIGINT) and 143 SIGTERM, each with one line on stderr,
 ``--jobs`` workers terminated and no output file written (outputs are staged and renamed
-into place only at the end: ``hybridkv.sim.outputs``).
+into place only at the end: ``hybridkv.outputs``).
 """
 
 from __future__ import annotations
@@ -22,22 +22,20 @@ from typing import NoReturn
 
 from rich.console import Console
 
-from hybridkv.argtypes import non_empty_str, non_negative_float, positive_float, positive_int
-from hybridkv.cluster.command import add_cluster_arguments, cmd_cluster
+from hybridkv.cli.argtypes import non_empty_str, non_negative_float, positive_float, positive_int
+from hybridkv.cli.check_trace import cmd_check_trace
+from hybridkv.cli.cluster import add_cluster_arguments, cmd_cluster
+from hybridkv.cli.replay import cmd_replay
+from hybridkv.cli.sweep import cmd_sweep
 from hybridkv.cluster.report import CLUSTER_HELP
 from hybridkv.errors import ConfigError, HybridKVError
 from hybridkv.native import core_line
 from hybridkv.policies import CORE_POLICIES
-from hybridkv.sim.admission import ORDERS
-from hybridkv.sim.commands import (
-    DEFAULT_MODEL,
-    DEFAULT_WORKLOAD,
-    cmd_check_trace,
-    cmd_replay,
-    cmd_sweep,
-)
+from hybridkv.sched.admission import ORDERS
 from hybridkv.sim.report import REPORT_HELP
+from hybridkv.sim.run import DEFAULT_MODEL
 from hybridkv.timing import GPUS
+from hybridkv.traces.source import DEFAULT_WORKLOAD
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -210,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_verify_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     verify = sub.add_parser("verify", help="prove cache hits exact on the reference engine")
     try:
-        from hybridkv.engine.verify import add_verify_arguments
+        from hybridkv.cli.verify import add_verify_arguments
     except ImportError:  # torch missing: the command explains itself when run
         verify.set_defaults(engine_missing=True)
         return
@@ -218,7 +216,7 @@ def _add_verify_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
 
 
 def _add_observer_arguments(parser: argparse.ArgumentParser) -> None:
-    """KV events and Prometheus metrics of the run (``hybridkv.observe``)."""
+    """KV events and Prometheus metrics of the run (``hybridkv.sim.observe``)."""
     parser.add_argument("--events", type=non_empty_str, default=None, metavar="ENDPOINT",
                         help="publish KV events in vLLM's format on a ZMQ PUB socket "
                         "(tcp://*:5557 binds; tcp://HOST:PORT connects to a subscriber)")
@@ -317,7 +315,7 @@ def _cmd_verify(args: argparse.Namespace, console: Console, err_console: Console
     if getattr(args, "engine_missing", False):
         raise ConfigError("verify", "torch", "install the engine extra; from a checkout: "
                           "pip install -e '.[engine]' (or pip install torch safetensors)")
-    from hybridkv.engine.verify import cmd_verify
+    from hybridkv.cli.verify import cmd_verify
 
     return int(cmd_verify(args))
 

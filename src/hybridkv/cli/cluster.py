@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from rich.console import Console
 
+from hybridkv.cli.replay import make_config, resolve_settings, resolve_source
 from hybridkv.cluster.backends import ProcessBackend, RayBackend, import_ray
 from hybridkv.cluster.instance import MAX_INSTANCES, InstanceSettings
 from hybridkv.cluster.report import ClusterReport, plot_cluster, render_cluster_table
@@ -27,23 +28,20 @@ from hybridkv.cluster.simulate import (
 )
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
+from hybridkv.models.shapes import load_model
+from hybridkv.outputs import StagedOutputs, check_output_paths
 from hybridkv.policies import PolicySpec
-from hybridkv.sim.admission import parse_admissions
-from hybridkv.sim.commands import (
+from hybridkv.sched.admission import parse_admissions
+from hybridkv.sim.run import (
     DEFAULT_MODEL,
-    Source,
-    _progress,
     check_pool_holds_requests,
-    make_config,
     parse_policies,
     pool_summary,
+    progress_bar,
     resolve_pool,
-    resolve_settings,
-    resolve_source,
 )
-from hybridkv.sim.model import load_model
-from hybridkv.sim.outputs import StagedOutputs, check_output_paths
-from hybridkv.sim.trace import Trace
+from hybridkv.traces.source import Source
+from hybridkv.traces.trace import Trace
 
 DEFAULT_POLICY = "latest"
 DEFAULT_INSTANCES = 4
@@ -164,7 +162,7 @@ def cmd_cluster(args: argparse.Namespace, console: Console, err_console: Console
     jobs = args.jobs if args.jobs is not None else (
         min(args.instances, os.cpu_count() or 1) if args.ray else 1)
     runs: list[ClusterRun] = []
-    with _progress(not args.quiet) as progress:
+    with progress_bar(not args.quiet) as progress:
         for name in names:
             callback: ProgressFn | None = None
             if progress is not None:
@@ -208,7 +206,7 @@ def _at_least_one(text: str) -> float:
     """
     import argparse
 
-    from hybridkv.argtypes import non_negative_float
+    from hybridkv.cli.argtypes import non_negative_float
 
     value = non_negative_float(text)
     if value < 1:
@@ -221,7 +219,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser,
                           add_pool: Callable[[argparse.ArgumentParser], None],
                           path_type: Callable[[str], object]) -> None:
     """The ``cluster`` subcommand's options (source and pool options shared with replay)."""
-    from hybridkv.argtypes import non_empty_str, non_negative_float, positive_int
+    from hybridkv.cli.argtypes import non_empty_str, non_negative_float, positive_int
 
     add_source(parser)
     add_pool(parser)

@@ -33,10 +33,9 @@ from typing import Any
 
 import hybridkv
 from hybridkv.errors import ConfigError
+from hybridkv.models.shapes import ModelShape
 from hybridkv.sim.bound_share import BoundPair
-from hybridkv.sim.commands import Source
-from hybridkv.sim.model import ModelShape
-from hybridkv.sim.sweep import (
+from hybridkv.sweep.cells import (
     Cell,
     CellBoundTask,
     CellError,
@@ -47,7 +46,8 @@ from hybridkv.sim.sweep import (
     dispatch_order,
     replay_cell,
 )
-from hybridkv.sim.sweep_exec import OnDone, SharedCellBounds, SweepWork
+from hybridkv.sweep.run import OnDone, SharedCellBounds, SweepWork
+from hybridkv.traces.source import Source
 
 LOCAL = "local"
 """``--ray`` without an address: start a local Ray for this sweep."""

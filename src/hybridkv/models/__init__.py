@@ -1,0 +1,1 @@
+"""Model shapes: presets and model files → cache specs."""

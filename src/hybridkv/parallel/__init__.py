@@ -1,0 +1,1 @@
+"""Executors: one process pool and one Ray wrapper, used by replay --jobs, sweep, cluster."""

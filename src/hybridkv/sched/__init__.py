@@ -1,0 +1,1 @@
+"""The scheduler (request types, ``Scheduler``, admission orders) and the one drive loop."""

@@ -1,0 +1,1 @@
+"""Sweeps: cells (trace × model × pool × policy × admission), the result store, the run."""

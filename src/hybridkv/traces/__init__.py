@@ -1,0 +1,1 @@
+"""Request sources: the trace type, loaders of trace formats, synthetic workloads."""
