@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridkv.sim.trace import OUTPUT_TOKEN_BASE, Trace
 from vllm.config import CacheConfig as VllmCacheConfig
 from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
@@ -36,6 +35,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm_adapter import vllm_kv_cache_config
 
 from hybridkv.config import CacheConfig
+from hybridkv.traces.trace import OUTPUT_TOKEN_BASE, Trace
 from hybridkv.vllm.scheduler import manager_swapped
 
 TIMED_METHODS = ("get_computed_blocks", "allocate_slots", "free", "cache_blocks",
@@ -113,7 +113,7 @@ def _timed(run: SchedulerRun, method: Callable[..., Any]) -> Callable[..., Any]:
 def _requests(trace: Trace, hash_block_size: int) -> Iterator[Request]:
     hasher = get_request_block_hasher(hash_block_size, sha256)
     for index, request in enumerate(trace.requests):
-        from hybridkv.sim.trace import expand_prompt
+        from hybridkv.traces.trace import expand_prompt
 
         yield Request(request_id=request.request_id,
                       prompt_token_ids=list(expand_prompt(request, index)),
