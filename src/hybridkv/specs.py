@@ -84,6 +84,13 @@ class KindFacts:
         kinds without a window."""
         return 0
 
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens whose KV no later token reads once ``num_computed_tokens`` are computed:
+        none by default (full attention never releases KV while a request runs; V4.1's
+        ring is rewritten in place)."""
+        del num_computed_tokens
+        return 0
+
     def packing_key(self) -> tuple[object, ...]:
         """Layers with equal keys may share a block-outermost packed group: equal block
         size and slot needs (the kind's tag first: ``full``, ``window``, ``chunked``,
@@ -92,16 +99,17 @@ class KindFacts:
                           "has no block-outermost packing rule")
 
 
-@dataclass(frozen=True, slots=True)
-class FullAttentionSpec(KindFacts):
-    """A layer that attends to every earlier token: a hit needs the whole prefix."""
+class PagedKV(KindFacts):
+    """Kinds whose block holds ``block_size`` tokens of ``kv_bytes_per_token`` bytes each
+    (a page of ``block_size * kv_bytes_per_token`` bytes, before padding to the pool's)."""
 
+    __slots__ = ()
     block_size: int
     kv_bytes_per_token: int
-    kind: ClassVar[str] = "full_attention"
-    vllm_kind: ClassVar[str] = "full_attention"
-    is_full_attention: ClassVar[bool] = True
-    flops_role: ClassVar[Literal["chain", "points"] | None] = "chain"
+
+    def __post_init__(self) -> None:
+        _require_positive("block_size", self.block_size)
+        _require_positive("kv_bytes_per_token", self.kv_bytes_per_token)
 
     @property
     def page_bytes(self) -> int:
@@ -112,6 +120,18 @@ class FullAttentionSpec(KindFacts):
         """
         return self.block_size * self.kv_bytes_per_token
 
+
+@dataclass(frozen=True, slots=True)
+class FullAttentionSpec(PagedKV):
+    """A layer that attends to every earlier token: a hit needs the whole prefix."""
+
+    block_size: int
+    kv_bytes_per_token: int
+    kind: ClassVar[str] = "full_attention"
+    vllm_kind: ClassVar[str] = "full_attention"
+    is_full_attention: ClassVar[bool] = True
+    flops_role: ClassVar[Literal["chain", "points"] | None] = "chain"
+
     def packing_key(self) -> tuple[object, ...]:
         """Full-attention kinds of one block size pack together, whatever their page.
 
@@ -120,18 +140,9 @@ class FullAttentionSpec(KindFacts):
         """
         return ("full", self.block_size)
 
-    def __post_init__(self) -> None:
-        _require_positive("block_size", self.block_size)
-        _require_positive("kv_bytes_per_token", self.kv_bytes_per_token)
-
-    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Full attention never releases KV while a request runs."""
-        del num_computed_tokens
-        return 0
-
 
 @dataclass(frozen=True, slots=True)
-class SlidingWindowSpec(KindFacts):
+class SlidingWindowSpec(PagedKV):
     """A layer whose token ``p`` attends to ``[p - (w - 1), p]`` (the window includes itself)."""
 
     block_size: int
@@ -142,10 +153,6 @@ class SlidingWindowSpec(KindFacts):
     is_attention_window: ClassVar[bool] = True
 
     @property
-    def page_bytes(self) -> int:
-        return self.block_size * self.kv_bytes_per_token
-
-    @property
     def window_tokens(self) -> int | None:
         return self.sliding_window
 
@@ -153,8 +160,7 @@ class SlidingWindowSpec(KindFacts):
         return ("window", self.block_size, self.sliding_window)
 
     def __post_init__(self) -> None:
-        _require_positive("block_size", self.block_size)
-        _require_positive("kv_bytes_per_token", self.kv_bytes_per_token)
+        PagedKV.__post_init__(self)
         _require_positive("sliding_window", self.sliding_window)
 
     @property
@@ -179,7 +185,7 @@ class SlidingWindowSpec(KindFacts):
 
 
 @dataclass(frozen=True, slots=True)
-class ChunkedLocalSpec(KindFacts):
+class ChunkedLocalSpec(PagedKV):
     """A layer attending only within its chunk of ``attention_chunk_size`` tokens (Llama 4)."""
 
     block_size: int
@@ -188,16 +194,11 @@ class ChunkedLocalSpec(KindFacts):
     kind: ClassVar[str] = "chunked_local"
     vllm_kind: ClassVar[str] = "chunked_local_attention"
 
-    @property
-    def page_bytes(self) -> int:
-        return self.block_size * self.kv_bytes_per_token
-
     def packing_key(self) -> tuple[object, ...]:
         return ("chunked", self.block_size, self.attention_chunk_size)
 
     def __post_init__(self) -> None:
-        _require_positive("block_size", self.block_size)
-        _require_positive("kv_bytes_per_token", self.kv_bytes_per_token)
+        PagedKV.__post_init__(self)
         _require_positive("attention_chunk_size", self.attention_chunk_size)
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -324,7 +325,7 @@ class CompressorStateSpec(PaddedWindowSpec):
 
 
 @dataclass(frozen=True, slots=True)
-class RingBufferSpec(KindFacts):
+class RingBufferSpec(PagedKV):
     """DeepSeek-V4.1 compressor state: one ring block per request (vLLM 0.33's
     ``CircularBufferSpec``) holding the raw rows of the token group being compressed.
     Never prefix-cached: a request claims its ring at admission and frees it at the end.
@@ -340,21 +341,8 @@ class RingBufferSpec(KindFacts):
     packs_block_outermost: ClassVar[bool] = True
     prefix_cacheable: ClassVar[bool] = False
 
-    def __post_init__(self) -> None:
-        _require_positive("block_size", self.block_size)
-        _require_positive("kv_bytes_per_token", self.kv_bytes_per_token)
-
-    @property
-    def page_bytes(self) -> int:
-        return self.block_size * self.kv_bytes_per_token
-
     def packing_key(self) -> tuple[object, ...]:
         return ("ring", self.block_size)
-
-    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """The ring is rewritten in place; nothing is released early."""
-        del num_computed_tokens
-        return 0
 
 
 @dataclass(frozen=True, slots=True)
