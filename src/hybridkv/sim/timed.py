@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
-from hybridkv.sched.driver import RequestTimes, TimedRun
+from hybridkv.sched.driver import ModelClock, RequestTimes, TimedRun, WallClock, drive
+
 from hybridkv.timing import StepCostModel, cost_model, gpu_named
 
 
@@ -193,3 +194,9 @@ scheduler steps) or time (seconds from the step-time model)
     except ConfigError as err:
         raise ConfigError(f"--{err.field}", err.value, err.fix) from None
     return TimeSettings(model, gpu, tp, time_scale, rate, 0, limits)
+
+
+__all__ = [  # the loop and its clocks are hybridkv.sched.driver's, named here too
+    "SLO", "ModelClock", "RequestTimes", "TimeSettings", "TimedRun", "WallClock", "arrival_times",
+    "drive", "parse_time_settings", "percentile_s", "summarise",
+]
