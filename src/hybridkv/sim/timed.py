@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
 from hybridkv.sched.driver import ModelClock, RequestTimes, TimedRun, WallClock, drive
-
 from hybridkv.timing import StepCostModel, cost_model, gpu_named
 
 
