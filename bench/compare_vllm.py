@@ -36,7 +36,7 @@ import json
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,10 +47,11 @@ import hybridkv.native
 from hybridkv.cache import Allocation, KVCacheManager, PrefixHit
 from hybridkv.config import CacheConfig
 from hybridkv.models.shapes import load_model, num_blocks_for_memory, parse_size
-from hybridkv.sched.scheduler import SchedRequest, Scheduler
+from hybridkv.sched.driver import Driver, OutputSampler
+from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
 from hybridkv.traces.loaders import load_trace
 from hybridkv.traces.prompts import LazyPrompt
-from hybridkv.traces.trace import OUTPUT_TOKEN_BASE, Trace
+from hybridkv.traces.trace import Trace
 from hybridkv.traces.workloads import make_workload
 
 REFERENCE_HIT_RATES: dict[tuple[str, int, str, int, str], float] = {
@@ -211,32 +212,25 @@ def run_side(manager: Any, trace: Trace, args: argparse.Namespace, label: str) -
                              phase=request.phase, tag=request.tag)
         requests.append(sched)
         scheduler.add_request(sched)
-    fixed = {r.request_id: r.output_token_ids for r in trace.requests if r.output_token_ids}
-    next_unique = OUTPUT_TOKEN_BASE
     finished = 0
     last_report = started
-    while scheduler.has_unfinished:
-        plan = scheduler.schedule()
+
+    def stalled(plan: StepPlan) -> Mapping[str, int]:
         if not plan.chunks:
             raise RuntimeError(f"{label}: no progress at step {scheduler.num_steps}")
-        sampled: dict[str, int] = {}
-        for chunk in plan.chunks:
-            if not chunk.samples:
-                continue
-            sched = scheduler.requests[chunk.req_id]
-            position = len(sched.output_token_ids)
-            predetermined = fixed.get(chunk.req_id)
-            if predetermined is not None and position < len(predetermined):
-                sampled[chunk.req_id] = predetermined[position]
-            else:
-                sampled[chunk.req_id] = next_unique
-                next_unique += 1
-        finished += len(scheduler.update(plan, sampled))
+        return sample(plan)
+
+    def report(plan: StepPlan, done: Sequence[str]) -> None:
+        nonlocal finished, last_report
+        finished += len(done)
         now = time.perf_counter()
         if now - last_report > 60:
             last_report = now
             print(f"  [{label}] {finished}/{len(requests)} finished, step {scheduler.num_steps}, "
                   f"{now - started:.0f}s", file=sys.stderr, flush=True)
+
+    sample = OutputSampler(trace).executor(scheduler)
+    Driver(scheduler, stalled, on_step=report).run_to_end()
     timed_calls = manager.timed_calls if isinstance(manager, HybridkvTypes) else \
         logged.timed_calls
     result = SideResult(preemptions=scheduler.num_preemptions, steps=scheduler.num_steps,
