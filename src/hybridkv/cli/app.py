@@ -158,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--detail", action="store_true", help=DETAIL_HELP)
     replay.add_argument("--jobs", type=positive_int, default=1,
                         help="replay policies in this many processes (default 1)")
+    replay.add_argument("--host-memory", type=non_empty_str, default=None, metavar="SIZE",
+                        help="a host-memory (CPU DRAM) tier behind the GPU pool: a size "
+                        "(256GiB) or a multiple of the pool's bytes (8x); docs/host-tier.md")
+    replay.add_argument("--host-policy", type=non_empty_str, default="aware",
+                        help="host tier policy: aware (default: landing units, no dead "
+                        "content), lru, lru-split[:STATE_SHARE] (HiCache-style, 0.5)")
     _add_observer_arguments(replay)
 
     sweep = sub.add_parser(

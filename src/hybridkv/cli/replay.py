@@ -17,6 +17,7 @@ from hybridkv.models.shapes import ModelShape, load_model
 from hybridkv.outputs import StagedOutputs, check_output_paths
 from hybridkv.policies import PolicySpec
 from hybridkv.sched.admission import parse_admissions
+from hybridkv.sim.host_replay import resolve_host_memory
 from hybridkv.sim.observe import open_observers, parse_metrics_target
 from hybridkv.sim.replay import ReplaySettings
 from hybridkv.sim.report import Report, plot_policies, render_table
@@ -118,6 +119,8 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
     num_blocks = resolve_pool(args.num_blocks, args.kv_memory, shape, source,
                               num_processes=jobs)
     config = make_config(shape, num_blocks, args, settings)
+    settings = replace(settings, host_policy=args.host_policy, host_memory_bytes=(
+        resolve_host_memory(args.host_memory, args.host_policy, config)))
     policies = parse_policies(args.policy, source.has_sessions)
     admissions = parse_admissions(args.admission)
     for policy in policies:

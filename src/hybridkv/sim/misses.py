@@ -19,13 +19,16 @@ evicted    ``R - F`` when the block full-attention KV was cached before and evic
            cached once
 admission  ``R - F`` otherwise      never cached: the policy did not cache it (caching
                                     off), or no request had computed it yet
+host_      ``R - F`` when that      with a host tier (``--host-memory``): the host had
+evicted    block was also on the    held it too and evicted it (``F`` and ``h`` then
+           host once                count GPU ∪ host)
 ========== ======================== ===================================================
 
 Worked example (``A`` 32, hash blocks of 8, ``n`` 100, ``M`` 72, ``R`` 64, ``F`` 32,
 ``h`` 0, the block at 32 was evicted): cold 28, alignment 8, tail 32, evicted 32.
 
 >>> split_miss(100, 0, 72, 32, 32, was_cached=True)
-MissCauses(cold=28, evicted=32, tail=32, alignment=8, admission=0)
+MissCauses(cold=28, evicted=32, tail=32, alignment=8, admission=0, host_evicted=0)
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from dataclasses import dataclass, fields
 
 from hybridkv.cache import Allocation, KVCacheManager, PrefixHit
 from hybridkv.config import CacheConfig
+from hybridkv.host_tier import HostHit
 from hybridkv.ids import BlockHash, ReqId
 from hybridkv.sim.bound import AdmissionLog
+from hybridkv.sim.host_replay import HostLink
 
-MISS_CAUSES = ("cold", "evicted", "tail", "alignment", "admission")
+MISS_CAUSES = ("cold", "evicted", "tail", "alignment", "admission", "host_evicted")
 
 
 @dataclass(slots=True)
@@ -50,10 +55,12 @@ class MissCauses:
     tail: int = 0
     alignment: int = 0
     admission: int = 0
+    host_evicted: int = 0
 
     @property
     def total(self) -> int:
-        return self.cold + self.evicted + self.tail + self.alignment + self.admission
+        return (self.cold + self.evicted + self.tail + self.alignment + self.admission
+                + self.host_evicted)
 
     def add(self, other: MissCauses) -> None:
         for f in fields(self):
@@ -73,23 +80,31 @@ class MissCauses:
 
 
 def split_miss(num_tokens: int, hit_tokens: int, seen_tokens: int, alignment_tokens: int,
-               resident_tokens: int, *, was_cached: bool) -> MissCauses:
+               resident_tokens: int, *, was_cached: bool, was_on_host: bool = False,
+               ) -> MissCauses:
     """Split one request's ``num_tokens - hit_tokens`` missed tokens (see the module doc).
 
     ``seen_tokens`` = ``M``; ``resident_tokens`` = the full-attention answer; ``was_cached``:
-    the full-attention block where that answer ends had been cached before.
+    the full-attention block where that answer ends had been cached before; ``was_on_host``:
+    the host tier had held it too (its evicted tokens are ``host_evicted``).
+
+    >>> split_miss(100, 0, 72, 32, 32, was_cached=True, was_on_host=True).host_evicted
+    32
 
     >>> split_miss(50, 32, 48, 32, 32, was_cached=False)  # resend: R = 32, 2 + 16 missed
-    MissCauses(cold=2, evicted=0, tail=0, alignment=16, admission=0)
+    MissCauses(cold=2, evicted=0, tail=0, alignment=16, admission=0, host_evicted=0)
     """
     a = alignment_tokens
     seen = min(num_tokens, max(seen_tokens, hit_tokens))
     reachable = max(hit_tokens, min((seen // a) * a, ((num_tokens - 1) // a) * a))
     resident = max(hit_tokens, min(resident_tokens, reachable))
     lost = reachable - resident
+    evicted = lost if was_cached else 0
     return MissCauses(cold=num_tokens - seen, alignment=seen - reachable,
                       tail=resident - hit_tokens,
-                      evicted=lost if was_cached else 0, admission=0 if was_cached else lost)
+                      evicted=0 if was_on_host else evicted,
+                      admission=0 if was_cached else lost,
+                      host_evicted=evicted if was_on_host else 0)
 
 
 _ADMITTED = 1
@@ -129,6 +144,12 @@ class ObservedManager(KVCacheManager):
         """Per running request, the event index of its (latest) admission."""
         self._units_held: dict[ReqId, int] = {}
         """Per running request, the item units it was last seen holding."""
+        self.host: HostLink | None = None
+        """A host tier behind the pool (``hybridkv.sim.host_replay``), set before the
+        first request: first admissions also look there, releases offer it their blocks."""
+        self._host_hit: dict[ReqId, tuple[HostHit | None, int, int]] = {}
+        """Per request being admitted: a host hit past its GPU hit (or ``None``), the GPU
+        hit, and the full-attention reach on GPU ∪ host."""
 
     @property
     def misses(self) -> MissCauses:
@@ -154,10 +175,17 @@ class ObservedManager(KVCacheManager):
                        *, num_lookahead_tokens: int = 0, reserve_full_prompt: bool = False,
                        ) -> Allocation | None:
         admitting = not self.is_running(req_id)
+        host = self.host
+        if host is not None and admitting and req_id not in self._admitted and hit is not None:
+            state = self._requests[req_id]
+            found, reach = host.lookup(self, state.block_hashes, hit.num_tokens,
+                                       state.num_prompt_tokens)
+            self._host_hit[req_id] = (found, hit.num_tokens, reach)
         allocation = super().allocate_slots(req_id, num_new_tokens, hit,
                                             num_lookahead_tokens=num_lookahead_tokens,
                                             reserve_full_prompt=reserve_full_prompt)
         if allocation is None or not admitting:
+            self._host_hit.pop(req_id, None)
             return allocation
         is_first = req_id not in self._admitted
         if is_first:
@@ -171,12 +199,14 @@ class ObservedManager(KVCacheManager):
         return allocation
 
     def free(self, req_id: ReqId) -> None:
+        self._offer_host(req_id)
         self._mark_computed(req_id)
         self._log_release(req_id)
         super().free(req_id)
 
     def remove_request(self, req_id: ReqId) -> None:
         if self.is_running(req_id):
+            self._offer_host(req_id)
             self._mark_computed(req_id)
             self._log_release(req_id)
         self._lookup.pop(req_id, None)
@@ -192,6 +222,13 @@ class ObservedManager(KVCacheManager):
         if units > self._units_held.pop(req_id, 0):
             self.log.grow(len(self.log), admission, units)
         self.log.release_at(admission, len(self.log) - 1)
+
+    def _offer_host(self, req_id: ReqId) -> None:
+        host = self.host
+        if host is not None and self.config.enable_caching:
+            state = self._requests[req_id]
+            if state.is_running:
+                host.release(self, req_id, state.block_hashes, state.num_computed_tokens)
 
     # ----------------------------------------------------------------- helpers
     def _hashes(self, req_id: ReqId) -> Sequence[BlockHash]:
@@ -212,17 +249,25 @@ class ObservedManager(KVCacheManager):
         looked_hit, resident = self._lookup.pop(req_id, (hit_tokens, hit_tokens))
         if looked_hit != hit_tokens:  # the hit came from elsewhere: no full-attention answer
             resident = hit_tokens
-        was_cached = False
+        host_hit, gpu_hit, host_reach = self._host_hit.pop(req_id, (None, 0, 0))
+        if host_hit is not None and self.host is not None:  # promoted: reached further
+            self.host.promote(req_id, hashes, host_hit, gpu_hit)
+            hit_tokens = host_hit.num_tokens
+            resident = max(resident, hit_tokens)
+        resident = max(resident, host_reach)
+        was_cached = was_on_host = False
         a = self.coordinator.alignment_tokens
         reachable = min((num_seen * hb // a) * a, ((state.num_prompt_tokens - 1) // a) * a)
         if self.config.enable_caching and resident < reachable and self._chain_block_size:
             # the first full-attention block missing (a ckpt:branch hit ends inside a block)
             end = resident // a * a + self._chain_block_size
             was_cached = seen.get(hashes[end // hb - 1]) == _COMPUTED
+            was_on_host = was_cached and self.host is not None and \
+                self.host.was_stored(hashes[end // hb - 1])
         tag = self._tags.get(req_id) or "all"
         self.misses_by_tag.setdefault(tag, MissCauses()).add(split_miss(
             state.num_prompt_tokens, hit_tokens, num_seen * hb, a, resident,
-            was_cached=was_cached))
+            was_cached=was_cached, was_on_host=was_on_host))
         for block_hash in hashes:
             seen.setdefault(block_hash, _ADMITTED)
 

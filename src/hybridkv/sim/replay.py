@@ -17,9 +17,11 @@ from typing import Protocol
 from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
 from hybridkv.errors import HybridKVError, InvariantViolation, PoolTooSmallError
+from hybridkv.host_tier import HostReport
 from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
 from hybridkv.sim.bound import AdmissionLog, BoundShape
 from hybridkv.sim.bound_share import set_bounds, shared_bounds
+from hybridkv.sim.host_replay import HostLink
 from hybridkv.sim.misses import MissCauses, ObservedManager
 from hybridkv.sim.timed import ModelClock, TimedRun, TimeSettings, arrival_times, drive, summarise
 from hybridkv.traces.prompts import LazyPrompt, PromptHasher
@@ -59,6 +61,10 @@ class ReplaySettings:
     """Admission order (``sim.admission.ORDERS``); ``fcfs`` is the protocol."""
     observers: tuple[ReplayObserver, ...] = ()
     """Called around every replay (``hybridkv replay --events / --metrics``)."""
+    host_memory_bytes: int = 0
+    """Host tier behind the pool (``--host-memory``; 0: none)."""
+    host_policy: str = "aware"
+    """The host tier's policy (``hybridkv.host_policies``)."""
     timing: TimeSettings | None = None
     """``--clock time``: open-loop arrivals, steps timed by the cost model (``None``: the
     step clock, the protocol)."""
@@ -127,6 +133,9 @@ class RunResult:
     bound_hit_tokens: int | None = None
     """Hit tokens of ``bound`` for this run's admissions (``attach_bounds``)."""
     bound_fa_hit_tokens: int | None = None
+    host: HostReport | None = None
+    """The host tier's summary (``--host-memory``); ``hit_tokens`` then counts GPU and host
+    hits, ``host.hit_tokens`` the host's part."""
     time: dict[str, float] | None = None
     """``--clock time``: ``sim.timed.summarise`` of the run (``None`` on the step clock)."""
     request_times: list[dict[str, object]] | None = None
@@ -137,6 +146,10 @@ class RunResult:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def host_hit_tokens(self) -> int:
+        return 0 if self.host is None else self.host.hit_tokens
 
     @property
     def bound(self) -> float | None:
@@ -166,6 +179,10 @@ class RunResult:
             mine_value, theirs = getattr(self, name), getattr(other, name)
             if theirs is not None:
                 setattr(self, name, (mine_value or 0) + theirs)
+        if other.host is not None:
+            if self.host is None:
+                self.host = HostReport(other.host.policy, other.host.capacity_bytes)
+            self.host.merge(other.host)
         for tag, totals in other.by_tag.items():
             mine = self.by_tag.setdefault(tag, TagTotals())
             mine.requests += totals.requests
@@ -246,6 +263,8 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
                           reserve_full_prompt=settings.reserve_full_prompt,
                           lookahead_requests=settings.lookahead_requests,
                           admission=settings.admission)
+    manager.host = HostLink.for_settings(manager, settings.host_policy,
+                                         settings.host_memory_bytes)
     observers = settings.observers
     for observer in observers:
         observer.attach(manager, scheduler, policy if settings.admission == "fcfs"
@@ -272,6 +291,7 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
         finished_count[0] += len(finished)
         if settings.check_invariants:
             manager.check_invariants()
+            HostLink.check(manager.host)
         if progress is not None:
             progress(finished_count[0], num_requests)
         for observer in observers:
@@ -284,6 +304,8 @@ def replay(trace: Trace, config: CacheConfig, policy: str,
     result.misses = manager.misses
     result.misses_by_tag = manager.misses_by_tag
     result.log = manager.log
+    result.host = HostLink.report_of(manager.host)
+    result.hit_tokens += result.host_hit_tokens
     if timed is not None and timing is not None:
         _attach_times(result, timed, timing, config)
     for observer in observers:

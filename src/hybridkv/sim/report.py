@@ -123,10 +123,33 @@ def _run_json(result: RunResult) -> dict[str, object]:
         "bound_fa_hit_tokens": result.bound_fa_hit_tokens,
         "miss_tokens": result.misses.as_dict(),
         "miss_shares": {k: round(v, 6) for k, v in result.misses.shares().items()},
+        **({} if result.host is None else {"host": {
+            **result.host.as_dict(),
+            "gpu_hit_rate": (result.hit_tokens - result.host_hit_tokens) / result.prompt_tokens
+            if result.prompt_tokens else 0.0,
+            "host_hit_rate": result.host_hit_tokens / result.prompt_tokens
+            if result.prompt_tokens else 0.0}}),
         **({"time": {k: round(v, 6) for k, v in result.time.items()},
             "time_gpu": result.time_label, "request_times": result.request_times}
            if result.time is not None else {}),
     }
+
+
+def host_line(result: RunResult) -> str | None:
+    """One line on a run's host tier: hit rate by tier, bytes moved, occupancy by kind."""
+    host = result.host
+    if host is None:
+        return None
+    prompt = result.prompt_tokens or 1
+    gib = float(1 << 30)
+    return (f"host tier {host.policy} ({host.capacity_bytes / gib:,.1f} GiB) under "
+            f"{result.policy}: hit rate GPU "
+            f"{100 * (result.hit_tokens - host.hit_tokens) / prompt:.2f}% + host "
+            f"{100 * host.hit_tokens / prompt:.2f}% = {100 * result.hit_rate:.2f}%; "
+            f"moved GPU→host {host.stored_bytes / gib:,.1f} GiB, host→GPU "
+            f"{host.loaded_bytes / gib:,.1f} GiB; held KV {host.kv_bytes / gib:,.1f} GiB, "
+            f"state {host.state_bytes / gib:,.1f} GiB; evicted {host.evicted_blocks:,} blocks, "
+            f"not kept {host.refused_blocks:,}")
 
 
 def render_table(report: Report, console: Console, *, detail: bool = False) -> None:
@@ -153,6 +176,10 @@ def render_table(report: Report, console: Console, *, detail: bool = False) -> N
     pool = pool_line(report.settings)
     if pool:
         console.print(pool)
+    for run in report.runs:
+        line = host_line(run.result)
+        if line is not None:
+            console.print(line)
     console.print(f"* = {star}; bound: offline optimum for each run's admission "
                   f"order (the largest: {percent(report.bound)}); ceiling: infinite cache; "
                   "largest miss: the miss cause of most missed tokens"
@@ -249,7 +276,7 @@ def row_shares(row: Mapping[str, object]) -> dict[str, float]:
     ...          "miss_admission": 0})["evicted"]
     0.75
     """
-    missed = {cause: int(str(row[f"miss_{cause}"])) for cause in MISS_CAUSES}
+    missed = {cause: int(str(row.get(f"miss_{cause}", 0))) for cause in MISS_CAUSES}
     total = sum(missed.values())
     return {cause: tokens / total if total else 0.0 for cause, tokens in missed.items()}
 
@@ -317,7 +344,8 @@ def plot_miss_causes(ax: object, runs: Sequence[PolicyRun]) -> None:
     names = [run.result.policy for run in runs]
     bottoms = [0.0] * len(runs)
     colors = {"hit": "tab:blue", "cold": "tab:gray", "evicted": "tab:red",
-              "tail": "tab:orange", "alignment": "tab:purple", "admission": "tab:brown"}
+              "tail": "tab:orange", "alignment": "tab:purple", "admission": "tab:brown",
+              "host_evicted": "tab:pink"}
     for part in ("hit", *MISS_CAUSES):
         heights = []
         for run in runs:

@@ -26,7 +26,7 @@ from rich.table import Table
 from hybridkv.sim.misses import MISS_CAUSES
 
 CAUSE_LABELS = {"cold": "cold", "evicted": "evicted", "tail": "tail", "alignment": "align",
-                "admission": "admit"}
+                "admission": "admit", "host_evicted": "host evicted"}
 """The miss causes' column labels (``hybridkv replay --help`` explains them)."""
 
 
