@@ -34,8 +34,8 @@ import calibrate as cal
 
 from hybridkv.cache import KVCacheManager
 from hybridkv.engine.runner import EngineRunner, RunOptions
+from hybridkv.sched.driver import WallClock, drive
 from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
-from hybridkv.sim.timed import WallClock, drive
 
 SHAPES = ((4, 8192, 100), (16, 1024, 48), (1, 8192, 100))
 """(batch, context tokens, output tokens) of each decode run."""

@@ -34,8 +34,9 @@ import time_fit as tf
 
 from hybridkv.cache import KVCacheManager
 from hybridkv.engine.model_config import cache_config_for_model
+from hybridkv.sched.driver import ModelClock, TimedRun, drive
 from hybridkv.sched.scheduler import Scheduler, StepPlan
-from hybridkv.sim.timed import ModelClock, TimedRun, arrival_times, drive, summarise
+from hybridkv.sim.timed import arrival_times, summarise
 from hybridkv.timing import PARAM_NAMES, Efficiencies, StepCostModel
 from hybridkv.timing.cost import ChunkLike
 from hybridkv.timing.fit import fit_coefficients, relative_errors
