@@ -17,7 +17,7 @@ Gated DeltaNet : 1 full attention), bf16, block ``--block`` (qwen: ``--qwen-bloc
    squares) per model and jointly; report per-step relative errors.
 3. **Validate** on the *validation* slices (other requests of the same traces): the engine
    replays them in real time (requests arrive at their scaled trace times, continuous
-   batching through ``hybridkv.sched.scheduler``, ``hybridkv.sim.timed.drive`` with a wall
+   batching through ``hybridkv.sched.scheduler``, ``hybridkv.sched.driver.drive`` with a wall
    clock), recording each request's TTFT; the model predicts the same run (the same loop
    with a model clock). Arrivals are compressed so that the slice's arrival span is
    ``--load`` × less than its predicted busy time (a load that queues).
@@ -73,8 +73,9 @@ from hybridkv.engine.model_config import (
 from hybridkv.engine.paged import PagedKVCache
 from hybridkv.engine.recurrent import Chunking, gated_delta_chunked
 from hybridkv.engine.runner import EngineRunner, RunOptions
+from hybridkv.sched.driver import TimedRun, WallClock, drive
 from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
-from hybridkv.sim.timed import TimedRun, WallClock, arrival_times, drive, summarise
+from hybridkv.sim.timed import arrival_times, summarise
 from hybridkv.timing import PARAM_NAMES, Efficiencies, StepCostModel
 from hybridkv.timing.shape import ComputeShape
 

@@ -36,7 +36,7 @@ import json
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,10 +47,11 @@ import hybridkv.native
 from hybridkv.cache import Allocation, KVCacheManager, PrefixHit
 from hybridkv.config import CacheConfig
 from hybridkv.models.shapes import load_model, num_blocks_for_memory, parse_size
-from hybridkv.sched.scheduler import SchedRequest, Scheduler
+from hybridkv.sched.driver import Driver, OutputSampler
+from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
 from hybridkv.traces.loaders import load_trace
 from hybridkv.traces.prompts import LazyPrompt
-from hybridkv.traces.trace import OUTPUT_TOKEN_BASE, Trace
+from hybridkv.traces.trace import Trace
 from hybridkv.traces.workloads import make_workload
 
 REFERENCE_HIT_RATES: dict[tuple[str, int, str, int, str], float] = {
@@ -211,32 +212,25 @@ def run_side(manager: Any, trace: Trace, args: argparse.Namespace, label: str) -
                              phase=request.phase, tag=request.tag)
         requests.append(sched)
         scheduler.add_request(sched)
-    fixed = {r.request_id: r.output_token_ids for r in trace.requests if r.output_token_ids}
-    next_unique = OUTPUT_TOKEN_BASE
     finished = 0
     last_report = started
-    while scheduler.has_unfinished:
-        plan = scheduler.schedule()
+
+    def stalled(plan: StepPlan) -> Mapping[str, int]:
         if not plan.chunks:
             raise RuntimeError(f"{label}: no progress at step {scheduler.num_steps}")
-        sampled: dict[str, int] = {}
-        for chunk in plan.chunks:
-            if not chunk.samples:
-                continue
-            sched = scheduler.requests[chunk.req_id]
-            position = len(sched.output_token_ids)
-            predetermined = fixed.get(chunk.req_id)
-            if predetermined is not None and position < len(predetermined):
-                sampled[chunk.req_id] = predetermined[position]
-            else:
-                sampled[chunk.req_id] = next_unique
-                next_unique += 1
-        finished += len(scheduler.update(plan, sampled))
+        return sample(plan)
+
+    def report(plan: StepPlan, done: Sequence[str]) -> None:
+        nonlocal finished, last_report
+        finished += len(done)
         now = time.perf_counter()
         if now - last_report > 60:
             last_report = now
             print(f"  [{label}] {finished}/{len(requests)} finished, step {scheduler.num_steps}, "
                   f"{now - started:.0f}s", file=sys.stderr, flush=True)
+
+    sample = OutputSampler(trace).executor(scheduler)
+    Driver(scheduler, stalled, on_step=report).run_to_end()
     timed_calls = manager.timed_calls if isinstance(manager, HybridkvTypes) else \
         logged.timed_calls
     result = SideResult(preemptions=scheduler.num_preemptions, steps=scheduler.num_steps,
@@ -370,6 +364,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "thread inside the calls (both sides alike; robust to other "
                              "jobs on the machine)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--through-vllm-scheduler", action="store_true",
+                        help="vLLM's own Scheduler drives vLLM's manager and hybridkv's "
+                             "facade (hybridkv.vllm); compares hits and block tables")
     args = parser.parse_args(argv)
     try:
         import vllm
@@ -414,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"trace {trace.name} ({len(trace)} requests), model {args.model}, "
           f"{args.num_blocks} blocks, {eagle}, vllm {vllm.__version__}, "
           f"hybridkv core {_core()}, {args.clock} clock", flush=True)
+    if args.through_vllm_scheduler:
+        return compare_through_scheduler(trace, config, policies, args)
     rows = []
     for policy in policies:
         rows.append(compare_policy(trace, config, policy, args))
@@ -422,6 +421,57 @@ def main(argv: Sequence[str] | None = None) -> int:
             _write_json(args, trace, rows, vllm.__version__)
     return 1 if failed_blocks or any(row["mismatches"] or not row["lookup_sequences_identical"]
                                      for row in rows) else 0
+
+
+def compare_through_scheduler(trace: Trace, config: CacheConfig, policies: list[str],
+                              args: argparse.Namespace) -> int:
+    """``--through-vllm-scheduler``: per policy, vLLM's Scheduler with its manager vs with
+    the facade; 0 when hits and tables match everywhere, 1 otherwise (a refused model
+    shape prints the facade's one-line reason and counts as a failure)."""
+    from vllm_scheduler_compare import run_through_scheduler, tables_match
+
+    from hybridkv.vllm import UnsupportedFeature
+
+    rows: list[dict[str, Any]] = []
+    for policy in policies:
+        try:
+            theirs = run_through_scheduler(trace, config, policy, facade=False,
+                                           max_running=args.max_running,
+                                           chunk_size=args.chunk_size)
+            ours = run_through_scheduler(trace, config, policy, facade=True,
+                                         max_running=args.max_running,
+                                         chunk_size=args.chunk_size)
+        except UnsupportedFeature as err:
+            print(f"{policy}: refused: {err}")
+            rows.append({"policy": policy, "refused": str(err)})
+            continue
+        mismatches = sum(theirs.first_hits[r] != ours.first_hits.get(r)
+                         for r in theirs.first_hits)
+        same_tables, detail = tables_match(ours, theirs)
+        prompt = sum(r.input_length for r in trace.requests)
+        row = {"policy": policy, "requests": len(theirs.first_hits),
+               "hit_tokens_vllm": sum(theirs.first_hits.values()),
+               "hit_tokens_hybridkv": sum(ours.first_hits.values()),
+               "prompt_tokens": prompt, "mismatches": mismatches,
+               "tables": detail, "tables_identical": same_tables,
+               "steps": [theirs.steps, ours.steps],
+               "manager_seconds_vllm": round(theirs.manager_seconds, 3),
+               "manager_seconds_hybridkv": round(ours.manager_seconds, 3)}
+        rows.append(row)
+        print(f"{policy}: {row['requests']} requests, hit tokens vllm "
+              f"{row['hit_tokens_vllm']} / hybridkv {row['hit_tokens_hybridkv']}, "
+              f"{mismatches} mismatching requests, tables {detail}, manager seconds "
+              f"vllm {theirs.manager_seconds:.2f} / hybridkv {ours.manager_seconds:.2f} "
+              f"(ratio {ours.manager_seconds / max(theirs.manager_seconds, 1e-9):.2f})",
+              flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"mode": "through-vllm-scheduler",
+                                         "trace": str(args.trace), "model": args.model,
+                                         "num_blocks": args.num_blocks, "rows": rows},
+                                        indent=1))
+    return 1 if any(r.get("refused") or r["mismatches"] or not r["tables_identical"]
+                    for r in rows) else 0
 
 
 def check_block_counts(args: argparse.Namespace) -> bool:

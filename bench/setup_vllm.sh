@@ -41,7 +41,16 @@ PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
     "prometheus_client>=0.18.0" "xgrammar==0.2.8" "fastapi>=0.133.0,<0.137.0" \
     partial-json-parser "llguidance>=1.7.0,<1.8.0"
 
-# 4. hybridkv (editable, no deps) and its own runtime dependencies.
+# 3b. What vLLM's Scheduler (vllm.v1.core.sched) and the collection of vLLM 0.33.0's own
+#     tests/v1/core need beyond the manager (bench/vllm_tests.sh runs them; found the same
+#     way, by iterating on ImportErrors), plus pytest itself. Never `pip install vllm` here:
+#     pip would resolve vLLM's whole dependency set (CUDA torch 2.14, flashinfer, ...).
+"${PIP[@]}" \
+    "pytest>=8" "pytest-asyncio>=0.23" "hypothesis>=6" einops httpx anthropic uvicorn \
+    watchfiles orjson
+
+# 4. hybridkv (editable, no deps) and its own runtime dependencies (HYBRIDKV_PURE_PYTHON=1
+#    skips compiling the core, as .ci/run does: its step vllm imports the sources).
 "${PIP[@]}" --no-deps -e "$ROOT"
 "${PIP[@]}" "xxhash>=3.0" "rich>=13" "matplotlib>=3.7"
 

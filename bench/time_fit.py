@@ -25,8 +25,9 @@ from typing import Any
 from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
 from hybridkv.engine.model_config import ModelConfig, cache_config_for_model
+from hybridkv.sched.driver import ModelClock, TimedRun, drive
 from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
-from hybridkv.sim.timed import ModelClock, TimedRun, arrival_times, drive, summarise
+from hybridkv.sim.timed import arrival_times, summarise
 from hybridkv.timing import PARAM_NAMES, Chunk, Efficiencies, StepCostModel
 from hybridkv.timing.fit import fit_coefficients, relative_errors
 from hybridkv.timing.shape import AttentionLayer, ComputeShape, ModelDims

@@ -51,7 +51,7 @@ from hybridkv.pool import BlockPool
 from hybridkv.results import Allocation, PrefillPlan, PrefixHit
 from hybridkv.stats import PrefixCacheStats
 from hybridkv.tokens import RequestTokens
-from hybridkv.views import CacheSnapshot, take_snapshot
+from hybridkv.views import CacheSnapshot, GroupTables, take_snapshot
 
 if TYPE_CHECKING:
     from hybridkv.event_hook import KVEvent
@@ -67,7 +67,12 @@ class _RequestState:
     block_hashes: list[BlockHash]
     extra_keys: ExtraKeys | None
     session_id: str | None = None
+    external_hashes: bool = False
+    """The engine hashes this request (``add_request(external_hashes=True)``)."""
     num_computed_tokens: int = 0
+    num_in_flight_tokens: int = 0
+    """Of ``num_computed_tokens``, the last ones whose step has not reported back (their
+    ids may be unknown yet; ``allocate_slots(in_flight=True)`` adds, ``settle`` drains)."""
     is_running: bool = False
     num_admissions: int = 0
     junction_tokens: int = 0
@@ -182,9 +187,18 @@ class KVCacheManager:
     # ------------------------------------------------------------ requests
     def add_request(self, req_id: ReqId, prompt_token_ids: Sequence[int], *,
                     extra_keys: ExtraKeys | None = None, session_id: str | None = None,
-                    block_hashes: Sequence[BlockHash] | None = None) -> None:
+                    block_hashes: Sequence[BlockHash] | None = None,
+                    external_hashes: bool = False) -> None:
         """Track a request and hash its prompt (``session_id``: its conversation, used by
         session-aware eviction).
+
+        ``external_hashes=True``: the engine hashes the request itself (vLLM's
+        ``request.block_hashes``, so KV events and routers see the engine's hashes), and
+        ``block_hashes`` are the hashes of its first full blocks — at most one per full
+        ``hasher.block_size`` block; blocks past them are never cached until
+        ``append_token_ids(block_hashes=...)`` brings theirs. hybridkv then never hashes
+        this request. E.g. block 16, a 40-token prompt and an engine whose hashes wait for
+        one lookahead token: 2 hashes (``[0, 16)``, ``[16, 32)``); 3 would be refused.
 
         ``block_hashes`` lets a caller that hashes many prompts sharing prefixes (a trace
         replayer) pass the chain it computed with ``self.hasher`` for exactly these tokens;
@@ -200,7 +214,13 @@ class KVCacheManager:
         started = self.clock()
         hb = self.hasher.block_size
         num_full = self.hasher.num_hashable_blocks(len(prompt_token_ids))
-        if block_hashes is not None and self.config.enable_caching:
+        if external_hashes:
+            hashes = list(block_hashes or ()) if self.config.enable_caching else []
+            if len(hashes) > len(prompt_token_ids) // hb:
+                raise ConfigError("block_hashes", f"<{len(hashes)} hashes>",
+                                  f"at most one per full block: {len(prompt_token_ids) // hb}")
+            tokens = RequestTokens(list(prompt_token_ids), len(hashes) * hb)
+        elif block_hashes is not None and self.config.enable_caching:
             if len(block_hashes) != num_full:
                 raise ConfigError("block_hashes", f"<{len(block_hashes)} hashes>",
                                   f"need one per full block: {num_full}")
@@ -214,17 +234,40 @@ class KVCacheManager:
             tokens = RequestTokens(copied, num_full * hb)
         self.hash_seconds += self.clock() - started
         self._requests[req_id] = _RequestState(tokens, len(tokens), hashes, extra_keys,
-                                               session_id=session_id)
+                                               session_id=session_id,
+                                               external_hashes=external_hashes)
 
-    def append_token_ids(self, req_id: ReqId, token_ids: Sequence[int]) -> None:
-        """Append generated tokens; blocks they complete become hashable."""
+    def append_token_ids(self, req_id: ReqId, token_ids: Sequence[int], *,
+                         block_hashes: Sequence[BlockHash] | None = None,
+                         as_prompt: bool = False) -> None:
+        """Append generated tokens; blocks they complete become hashable.
+
+        ``block_hashes``: for a request added with ``external_hashes=True``, the engine's
+        hashes of the next full blocks (any number up to the blocks now full); required
+        then (hybridkv never mixes its own hashes into an engine's chain).
+        ``as_prompt``: the tokens extend the prompt (a streaming session's next input):
+        every token of the request then counts as prompt.
+        """
         state = self._state(req_id, "append_token_ids")
         tokens = state.token_ids
         tokens.extend(token_ids)
+        if as_prompt:
+            state.num_prompt_tokens = len(tokens)
         if not self._caching:
             return
         hb = self.hasher.block_size
         num_hashed = len(state.block_hashes)
+        if state.external_hashes or block_hashes is not None:
+            if not state.external_hashes or block_hashes is None:
+                raise RequestError(f"request_id={req_id!r}: block_hashes come with "
+                                   "append_token_ids exactly when the request was added "
+                                   "with external_hashes=True")
+            if num_hashed + len(block_hashes) > len(tokens) // hb:
+                raise ConfigError("block_hashes", f"<{len(block_hashes)} hashes>",
+                                  f"at most {len(tokens) // hb - num_hashed} more blocks "
+                                  "are full")
+            state.block_hashes.extend(block_hashes)
+            return
         if (len(tokens) - self._lookahead) // hb > num_hashed:
             parent = state.block_hashes[-1] if num_hashed else None
             state.block_hashes.extend(self.hasher.hash_blocks(
@@ -279,7 +322,7 @@ class KVCacheManager:
     # ------------------------------------------------------------ allocation
     def allocate_slots(self, req_id: ReqId, num_new_tokens: int, hit: PrefixHit | None = None,
                        *, num_lookahead_tokens: int = 0, reserve_full_prompt: bool = False,
-                       ) -> Allocation | None:
+                       in_flight: bool = False) -> Allocation | None:
         """Allocate slots for ``num_new_tokens`` tokens (plus lookahead), with the hit blocks
         when admitting. Returns ``None`` — changing nothing but window releases — when the
         pool cannot provide them.
@@ -290,17 +333,27 @@ class KVCacheManager:
             reserve_full_prompt: admission gate: refuse unless the free blocks cover every
                 block the whole request still needs (window groups capped at their
                 working set).
+            in_flight: the new tokens are *in flight* (unsettled): an engine that plans
+                step ``s + 1`` before step ``s`` has reported back (async scheduling,
+                draft tokens awaiting verification) allocates them before their ids are
+                known, so they may run past the request's known tokens. They count as
+                computed at once; only known ones are ever hashed, and window blocks
+                stay held for them until ``settle`` says their step is done (or rolls
+                rejected ones back). E.g. 16 known tokens, 16 computed: ``n=1,
+                in_flight=True`` allocates token 16's slot; ``append_token_ids`` gives
+                its id later and ``settle(req, 17)`` caches the block it completes.
         """
         started = self.clock()
         try:
             return self._allocate(req_id, num_new_tokens, hit, num_lookahead_tokens,
-                                  reserve_full_prompt)
+                                  reserve_full_prompt, in_flight)
         finally:
             self.manager_seconds += self.clock() - started
 
     def _allocate(self, req_id: ReqId, num_new_tokens: int,  # noqa: PLR0912 - hot path:
                   hit: PrefixHit | None,  # one function, no helper calls per step
-                  num_lookahead_tokens: int, reserve_full_prompt: bool) -> Allocation | None:
+                  num_lookahead_tokens: int, reserve_full_prompt: bool,
+                  in_flight: bool = False) -> Allocation | None:
         state = self._state(req_id, "allocate_slots")
         admitting = not state.is_running
         if hit is None:
@@ -310,7 +363,8 @@ class KVCacheManager:
             hit_tables, num_hit = self._checked_hit(req_id, hit, admitting)
         num_computed = state.num_computed_tokens + num_hit
         num_tokens = state.token_ids.num_tokens
-        if num_new_tokens <= 0 or num_computed + num_new_tokens > num_tokens:
+        if num_new_tokens <= 0 or (num_computed + num_new_tokens > num_tokens
+                                   and not in_flight):
             raise ConfigError(
                 "num_new_tokens", num_new_tokens,
                 f"must be in [1, {num_tokens - num_computed}] (request has {num_tokens} "
@@ -330,7 +384,7 @@ class KVCacheManager:
                 req_id, num_slots, hit_tables, num_computed, apply_admission_cap=False,
                 num_main_tokens=num_main)
         else:
-            coordinator.remove_skipped_blocks(req_id, num_computed)
+            coordinator.remove_skipped_blocks(req_id, num_computed - state.num_in_flight_tokens)
             need = coordinator.num_blocks_to_grow(req_id, num_slots, num_main)
         if need and need > self.pool.num_free_blocks:
             return None
@@ -343,16 +397,18 @@ class KVCacheManager:
         else:
             new_blocks = self._no_new_blocks
         state.num_computed_tokens = num_computed + num_new_tokens
+        if in_flight:
+            state.num_in_flight_tokens += num_new_tokens
         hb = self.hasher.block_size
         lookahead = self._lookahead
         if self._caching and (
-            admitting or num_computed // hb != state.num_computed_tokens // hb
+            admitting or in_flight or num_computed // hb != state.num_computed_tokens // hb
             or (lookahead and (lookahead > 1 or (num_computed - 1) // hb
                                != (state.num_computed_tokens - 1) // hb))
         ):  # no group's full-block count changes while the tokens stay inside one hb block
             # (under lookahead hashes, nor while the hashed tokens do: a decode step's
             # token can complete the hash of the block before it)
-            cacheable = state.num_computed_tokens - max(0, lookahead - 1)
+            cacheable = min(state.num_computed_tokens, num_tokens) - max(0, lookahead - 1)
             coordinator.cache_blocks(req_id, state.block_hashes, cacheable,
                                      state.num_prompt_tokens, state.junction_tokens,
                                      state.bridge_end_tokens if state.window_floor_tokens
@@ -365,6 +421,68 @@ class KVCacheManager:
         assert self._event_log is not None
         self._event_log.flush(RequestContext(req_id, state.block_hashes, state.token_ids,
                                              state.extra_keys, state.session_id))
+
+    def settle(self, req_id: ReqId, num_computed_tokens: int,
+               num_in_flight_tokens: int = 0) -> None:
+        """A running request's steps reported back: it now has ``num_computed_tokens``
+        computed tokens (at most as many as before: lower means rejected draft tokens
+        roll back), of which the last ``num_in_flight_tokens`` are still in flight. Blocks
+        that the settled tokens with known ids fill become cached (vLLM's
+        ``cache_blocks(request, num_computed - num_in_flight)``); the slots of rolled-back
+        tokens stay allocated for the next step. Tokens below are never un-computed: a
+        rollback below known tokens only means recomputing their (identical) KV.
+
+        E.g. 32 computed after ``allocate_slots(r, 4, in_flight=True)`` (1 token + 3
+        drafts, known 29), the step accepts 1 draft: ``append_token_ids(r, [a, b])``
+        (accepted + bonus), then ``settle(r, 30)``: 2 draft slots roll back, blocks
+        inside ``[0, 30)`` are cached.
+        """
+        state = self._state(req_id, "settle")
+        if not state.is_running:
+            raise RequestError(f"request_id={req_id!r} is not running; settle applies to "
+                               "a request that holds blocks")
+        if not (0 <= num_in_flight_tokens <= num_computed_tokens
+                <= state.num_computed_tokens):
+            raise ConfigError("num_computed_tokens", num_computed_tokens,
+                              f"need 0 <= in flight ({num_in_flight_tokens}) <= computed "
+                              f"<= {state.num_computed_tokens}")
+        started = self.clock()
+        state.num_computed_tokens = num_computed_tokens
+        state.num_in_flight_tokens = num_in_flight_tokens
+        if self._caching:
+            settled = min(num_computed_tokens - num_in_flight_tokens,
+                          state.token_ids.num_tokens)
+            self.coordinator.cache_blocks(
+                req_id, state.block_hashes, settled - max(0, self._lookahead - 1),
+                state.num_prompt_tokens, state.junction_tokens,
+                state.bridge_end_tokens if state.window_floor_tokens else 0)
+            if self._event_log is not None:
+                self._flush_events(req_id, state)
+        self.manager_seconds += self.clock() - started
+
+    def truncate_tokens(self, req_id: ReqId, num_tokens: int) -> None:
+        """Drop the request's tokens from ``num_tokens`` on (a streaming session
+        discarding its last sampled token before the next input arrives), with the
+        hashes of blocks no longer full. Computed tokens are never dropped:
+        ``num_computed_tokens <= num_tokens <= current``; under EAGLE lookahead hashes
+        not the token after them either (a cached block's hash covers it). The prompt
+        shrinks with it.
+
+        E.g. 40 tokens (block 16: 2 hashes), 33 computed: ``truncate_tokens(r, 35)``
+        keeps both hashes; ``truncate_tokens(r, 33)`` then too (33 // 16 = 2).
+        """
+        state = self._state(req_id, "truncate_tokens")
+        tokens = state.token_ids
+        least = max(1, state.num_computed_tokens + min(self._lookahead, 1))
+        if not least <= num_tokens <= tokens.num_tokens:
+            raise ConfigError("num_tokens", num_tokens,
+                              f"must be in [{least}, {tokens.num_tokens}] (computed "
+                              f"{state.num_computed_tokens}, lookahead {self._lookahead})")
+        tokens.truncate(num_tokens)
+        state.num_prompt_tokens = min(state.num_prompt_tokens, num_tokens)
+        num_full = num_tokens // self.hasher.block_size if state.external_hashes else \
+            max(0, (num_tokens - self._lookahead) // self.hasher.block_size)
+        del state.block_hashes[num_full:]
 
     def _checked_hit(self, req_id: ReqId, hit: PrefixHit, admitting: bool,
                      ) -> tuple[Sequence[Sequence[Block]], int]:
@@ -402,7 +520,8 @@ class KVCacheManager:
     def free(self, req_id: ReqId) -> None:
         """Release all blocks of a request (finish or preemption); it may be admitted again,
         recomputing from token 0 (or a new prefix hit). ``predict`` eviction treats it as a
-        preemption (no output-length signal): finished requests leave by ``remove_request``."""
+        preemption (no output-length signal): finished requests leave by ``remove_request``.
+        A request never admitted (e.g. aborted while waiting) holds nothing: a no-op."""
         self._release(req_id, self._state(req_id, "free"), None, None)
 
     def _release(self, req_id: ReqId, state: _RequestState, session_id: str | None,
@@ -411,10 +530,12 @@ class KVCacheManager:
         (``predict`` eviction's signal); ``None`` on preemption (unknown: treated as live)."""
         started = self.clock()
         if not state.is_running:
+            if state.num_admissions == 0:
+                return  # never admitted (e.g. aborted while waiting): nothing to free
             raise DoubleFreeError(req_id)
         self.coordinator.free(req_id, session_id, num_output_tokens)
         state.is_running = False
-        state.num_computed_tokens = 0
+        state.num_computed_tokens = state.num_in_flight_tokens = 0
         state.junction_tokens = 0
         state.bridge_end_tokens = state.window_floor_tokens = 0
         self.manager_seconds += self.clock() - started
@@ -515,6 +636,11 @@ class KVCacheManager:
         """Per group, the request's block table (0 = null block: KV not needed)."""
         self._state(req_id, "get_block_ids")
         return tuple(tuple(m.block_ids(req_id)) for m in self.coordinator.managers)
+
+    def group_tables(self, group_id: GroupId) -> GroupTables:
+        """Live read-only view of group ``group_id``'s block tables (``GroupTables``)."""
+        manager = self.coordinator.managers[group_id]
+        return GroupTables(manager.tables, manager.num_cached_blocks)
 
     def prefill_plan(self, req_id: ReqId) -> PrefillPlan:
         """How the running request's KV below its computed tokens came to be (engines

@@ -81,12 +81,13 @@ class DuplicateRequestError(RequestError):
 
 
 class DoubleFreeError(RequestError):
-    """``free`` was called for a request that holds no blocks."""
+    """``free`` was called again for an admitted request that holds no blocks (a request
+    never admitted holds nothing to free: its ``free`` is a no-op)."""
 
     def __init__(self, req_id: str) -> None:
         self.req_id = req_id
         super().__init__(
-            f"request_id={req_id!r} holds no blocks (already freed or never allocated); "
+            f"request_id={req_id!r} holds no blocks (already freed since its last admission); "
             "free() must be called once per allocation lifetime"
         )
 

@@ -9,6 +9,8 @@ costs ~30 ns per token to build and free (WEKA: 730 M tokens per replayed policy
 >>> tokens = RequestTokens(range(100, 110), hashed_tokens=8)
 >>> tokens.extend([1, 2]); len(tokens), tokens[7:], tokens[-1]
 (12, [107, 108, 109, 1, 2], 2)
+>>> tokens.truncate(9); tokens[6:]
+[106, 107, 108]
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ class RequestTokens(Sequence[int]):
     def extend(self, token_ids: Iterable[int]) -> None:
         self._tail.extend(token_ids)
         self.num_tokens = self._start + len(self._tail)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` ids (``0 <= num_tokens <= len(self)``); the
+        caller's prompt is never modified (a cut inside it keeps a copy of its head)."""
+        if num_tokens >= self._start:
+            del self._tail[num_tokens - self._start :]
+        else:
+            self._prompt = list(self._prompt[:num_tokens])
+            self._start = num_tokens
+            self._tail = []
+        self.num_tokens = num_tokens
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -1,7 +1,8 @@
 """Read-only views of cache state for engines: hit blocks, cached blocks, queues, usage.
 
-Everything here is a frozen value copied out of the manager: holding one never pins or
-changes a block, and it does not follow later changes (take a new snapshot).
+Everything here but ``GroupTables`` is a frozen value copied out of the manager: holding one
+never pins or changes a block, and it does not follow later changes (take a new snapshot).
+``GroupTables`` is a live, read-only window on one group's block tables (no copy per call).
 
 >>> from hybridkv import CacheConfig, FullAttentionSpec, KVCacheManager
 >>> manager = KVCacheManager(CacheConfig.from_layers([FullAttentionSpec(4, 1)], 8), "dense")
@@ -19,11 +20,11 @@ GroupUsage(group_id=0, kind='full_attention', held_blocks=0, cached_blocks=2, ca
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from hybridkv.block import Block
-from hybridkv.ids import BlockHash
+from hybridkv.ids import BlockHash, ReqId
 from hybridkv.managers.base import GroupManager
 from hybridkv.pool import BlockPool
 from hybridkv.specs import CacheGroup
@@ -124,3 +125,41 @@ def take_snapshot(pool: BlockPool, groups: Sequence[CacheGroup],
         for group, manager in zip(groups, managers, strict=True))
     return CacheSnapshot(pool.epoch, pool.num_blocks, pool.num_free_blocks,
                          tuple(pool.free_queue_order()), tuple(cached), usage)
+
+
+class GroupTables(Mapping[ReqId, tuple[int, ...]]):
+    """Live, read-only view of one group's block tables: request id → its table's block
+    ids (0 = null), for every request holding blocks in the group; ``num_cached_blocks``
+    says how many leading entries of a table have been cached (hashed or skipped).
+    Reading never changes the manager; the view follows it (it is not a snapshot).
+
+    >>> from hybridkv import CacheConfig, FullAttentionSpec, KVCacheManager
+    >>> m = KVCacheManager(CacheConfig.from_layers([FullAttentionSpec(4, 1)], 8), "latest")
+    >>> m.add_request("a", list(range(9)))
+    >>> tables = m.group_tables(0)
+    >>> _ = m.allocate_slots("a", 9)
+    >>> dict(tables), tables.num_cached_blocks("a")
+    ({'a': (1, 2, 3)}, 2)
+    >>> m.free("a"); len(tables)
+    0
+    """
+
+    __slots__ = ("_num_cached", "_tables")
+
+    def __init__(self, tables: Mapping[ReqId, list[Block]],
+                 num_cached: Mapping[ReqId, int]) -> None:
+        self._tables = tables
+        self._num_cached = num_cached
+
+    def __getitem__(self, req_id: ReqId) -> tuple[int, ...]:
+        return tuple(b.block_id for b in self._tables[req_id])
+
+    def __iter__(self) -> Iterator[ReqId]:
+        return iter(list(self._tables))
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def num_cached_blocks(self, req_id: ReqId) -> int:
+        """Leading entries of the request's table already cached (0 if it holds none)."""
+        return self._num_cached.get(req_id, 0)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -54,6 +55,7 @@ from strategies import (
 
 from hybridkv import KVCacheManager, PrefixHit, RecurrentStateSpec, StaleHitError
 from hybridkv.block import Block
+from hybridkv.errors import DoubleFreeError
 from hybridkv.hashing import BlockHasher
 from hybridkv.ids import BlockHash, GroupId
 from hybridkv.managers import coarse_hashes
@@ -99,6 +101,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """Engine-requested hash drops (``evict_prefix``, ``reset_prefix_cache``): they end
         retention promises like evictions do."""
         self.evictions_at_admission: dict[str, int] = {}
+        self.ever_admitted: set[str] = set()
         # (computed tokens, boundaries the policy must keep hittable, evictions at admission)
         self.retained: dict[int, tuple[tuple[int, ...], list[int], int]] = {}
 
@@ -311,6 +314,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         assert allocation.num_hit_tokens == allocation.num_computed_tokens == hit.num_tokens
         assert self.manager.num_computed_tokens(req_id) == hit.num_tokens + num_new
+        self.ever_admitted.add(req_id)
         self.record_computed(req_id, hit.num_tokens, hit.num_tokens + num_new,
                              allocation.new_block_ids)
 
@@ -336,6 +340,79 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         assert allocation.num_hit_tokens == 0 and allocation.num_computed_tokens == computed
         self.record_computed(req_id, computed, computed + num_new, allocation.new_block_ids)
+
+    @precondition(lambda self: any(self.manager.is_running(r)
+                                   for r in self.manager.request_ids))
+    @rule(pick=st.integers(0, 10**6), num_drafts=st.integers(0, 3),
+          accepted=st.integers(0, 3), sampled=token_lists(4))
+    def in_flight_step(self, pick: int, num_drafts: int, accepted: int,
+                       sampled: list[int]) -> None:
+        """An async / speculative step: the next token plus drafts are allocated in flight
+        before their ids exist; the step reports back accepting some drafts (the rest
+        roll back): their ids and the bonus token are appended and the step settles."""
+        running = self.running()
+        req_id = running[pick % len(running)]
+        computed = self.manager.num_computed_tokens(req_id)
+        known = self.manager.num_tokens(req_id)
+        if computed < known - 1:
+            return  # still prefilling
+        if computed == known:
+            self.manager.append_token_ids(req_id, sampled[:1] or [0])
+            known += 1
+        if self.has_recurrent:
+            num_drafts = 0  # a recurrent state cannot roll back (vLLM keeps draft states)
+        num_new = 1 + num_drafts
+        lengths = [len(t) for t in self.manager.get_block_ids(req_id)]
+        allocation = self.manager.allocate_slots(req_id, num_new, in_flight=True)
+        if allocation is None:
+            event("in-flight step refused")
+            assert self.manager.num_computed_tokens(req_id) == computed
+            assert [len(t) for t in self.manager.get_block_ids(req_id)] == lengths
+            return
+        assert self.manager.num_computed_tokens(req_id) == computed + num_new > known - 1
+        accepted = min(accepted, num_drafts)
+        ids = sampled or [0]
+        self.manager.append_token_ids(req_id, [ids[i % len(ids)] for i in range(accepted + 1)])
+        self.manager.settle(req_id, computed + 1 + accepted)
+        if accepted < num_drafts:
+            event("in-flight drafts rolled back")
+        self.record_computed(req_id, computed, computed + 1 + accepted,
+                             allocation.new_block_ids)
+
+    @precondition(lambda self: any(self.manager.is_running(r)
+                                   for r in self.manager.request_ids))
+    @rule(pick=st.integers(0, 10**6), cut=st.integers(0, 8), more=token_lists(4))
+    def truncate_uncomputed_tail(self, pick: int, cut: int, more: list[int]) -> None:
+        """A streaming session replaces output tokens not computed yet: the tail past the
+        computed tokens (never into the prompt) is dropped, new ids follow."""
+        running = self.running()
+        req_id = running[pick % len(running)]
+        computed = self.manager.num_computed_tokens(req_id)
+        known = self.manager.num_tokens(req_id)
+        keep = max(computed + min(self.lookahead, 1), self.prompt_len[req_id], known - cut)
+        if keep > known:
+            return
+        before = self.tokens(req_id)
+        self.manager.truncate_tokens(req_id, keep)
+        assert self.tokens(req_id) == before[:keep]
+        if more:
+            self.manager.append_token_ids(req_id, more)
+        if keep < known:
+            event("tail truncated")
+
+    @precondition(lambda self: len(self.waiting()) > 0)
+    @rule(pick=st.integers(0, 10**6))
+    def free_waiting(self, pick: int) -> None:
+        """``free`` of a request never admitted is a no-op; of a preempted one, an error."""
+        waiting = self.waiting()
+        req_id = waiting[pick % len(waiting)]
+        before = self.manager.snapshot()
+        if req_id in self.ever_admitted:
+            with pytest.raises(DoubleFreeError):
+                self.manager.free(req_id)
+        else:
+            self.manager.free(req_id)
+        assert self.manager.snapshot() == before
 
     @precondition(lambda self: any(self.manager.is_running(r)
                                    for r in self.manager.request_ids))

@@ -81,8 +81,7 @@ def test_duplicate_request() -> None:
 def test_double_free_and_free_before_allocation() -> None:
     manager = make()
     manager.add_request("a", list(range(40)))
-    with pytest.raises(DoubleFreeError, match="request_id='a' holds no blocks"):
-        manager.free("a")
+    manager.free("a")  # never admitted (an engine aborting a waiting request): a no-op
     manager.allocate_slots("a", 40, manager.find_longest_hit("a"))
     manager.free("a")
     free_after_first = manager.num_free_blocks

@@ -8,8 +8,9 @@ import pytest
 from hybridkv import KVCacheManager
 from hybridkv.errors import ConfigError
 from hybridkv.models.shapes import load_model
+from hybridkv.sched.driver import ModelClock, drive
 from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
-from hybridkv.sim.timed import SLO, ModelClock, arrival_times, drive, summarise
+from hybridkv.sim.timed import SLO, arrival_times, summarise
 
 
 def run(arrivals: list[tuple[float, int, int]], max_running: int = 1) -> dict[str, object]:

@@ -25,14 +25,15 @@ it, so serial, ``--jobs`` and ``--ray`` replays agree exactly.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
+from hybridkv.sched.driver import Driver, ModelClock, OutputSampler, RequestTimes
 from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
-from hybridkv.sim.replay import OutputSampler, no_progress_error
-from hybridkv.sim.timed import RequestTimes, TimeSettings, arrival_times
+from hybridkv.sim.replay import no_progress_error
+from hybridkv.sim.timed import TimeSettings, arrival_times
 from hybridkv.traces.prompts import LazyPrompt, PromptHasher
 from hybridkv.traces.trace import OUTPUT_TOKEN_BASE, Trace
 
@@ -135,90 +136,83 @@ class Instance:
         self._sampler = OutputSampler(first_id=OUTPUT_TOKEN_BASE
                                       + index * OUTPUT_IDS_PER_INSTANCE)
         self._index_of: dict[str, int] = {}
-        self.busy_steps = 0
         self._epochs = 0
         timing = settings.timing
         self._cost = None if timing is None else timing.cost_model(config)
         self._arrivals = [] if timing is None else arrival_times(
             [r.arrival_seconds for r in trace.requests], time_scale=timing.time_scale,
             rate=timing.rate, seed=timing.seed)
-        self.clock_s = 0.0
-        self.busy_seconds = 0.0
-        self._times: dict[str, RequestTimes] = {}
+        cost = self._cost
+        self.driver = Driver(
+            self.scheduler, self._execute, on_step=self._on_step,
+            clock=None if cost is None else ModelClock(), record=cost is not None,
+            step_seconds=None if cost is None else (lambda plan: cost.seconds(plan.chunks)))
+        self._finished: list[Finished] = []
+
+    @property
+    def clock_s(self) -> float:
+        """``--clock time``: the instance's simulated seconds (0 on the step clock)."""
+        return self.driver.now()
+
+    @property
+    def busy_seconds(self) -> float:
+        return self.driver.busy_s
+
+    @property
+    def busy_steps(self) -> int:
+        return self.driver.num_steps
 
     def advance(self, arrivals: Sequence[int], num_steps: int) -> InstanceReport:
         """Queue ``arrivals`` (trace indices, in routing order) and run at most
-        ``num_steps`` steps."""
-        scheduler = self.scheduler
+        ``num_steps`` steps (``--clock time``: until the epoch's end)."""
+        scheduler, driver = self.scheduler, self.driver
         for index in arrivals:
             request = self.trace.requests[index]
             self._index_of[request.request_id] = index
             self._sampler.add(request)
-            scheduler.add_request(SchedRequest(
+            driver.add(SchedRequest(
                 request.request_id, LazyPrompt(request, index), max(1, request.output_length),
                 session_id=request.session_id, phase=request.phase, tag=request.tag,
                 hash_prompt=self._hasher.for_request(request)
-                if self.config.enable_caching else None))
-            if self._cost is not None:
-                self._times[request.request_id] = RequestTimes(  # its true arrival:
-                    self._arrivals[index], request.input_length)  # the routing wait counts
-        finished: list[Finished] = []
+                if self.config.enable_caching else None),
+                self._arrivals[index] if self._cost is not None else None)  # its true
+            # arrival: the routing wait counts
+        self._finished = []
         queued: list[int] = []
         until = (self._epochs + 1) * self.settings.epoch_seconds
         for _ in range(num_steps if self._cost is None else 1 << 62):
             if not scheduler.has_unfinished or (self._cost is not None
                                                 and self.clock_s >= until):
                 break
-            self._step(finished)
+            driver.step()
             queued.append(self.queued_tokens())
-        if self._cost is not None:
-            self.clock_s = max(self.clock_s, until)  # idle to the epoch's end
+        if driver.clock is not None:
+            driver.clock.wait_until(until)  # idle to the epoch's end
         events = self._take_events()
-        return InstanceReport(self.index, tuple(finished), tuple(queued),
+        return InstanceReport(self.index, tuple(self._finished), tuple(queued),
                               queued[-1] if queued else self.queued_tokens(),
                               len(scheduler.waiting) + len(scheduler.running), events)
 
-    def _step(self, finished: list[Finished]) -> None:
+    def _execute(self, plan: StepPlan) -> dict[str, int]:
         scheduler = self.scheduler
-        plan = scheduler.schedule()
         if not plan.chunks:
             raise no_progress_error(self.trace, self.policy, self.config, self.manager,
                                     scheduler, plan.preempted)
-        self.busy_steps += 1
-        sampled = {chunk.req_id: self._sampler.sample(scheduler.requests[chunk.req_id])
-                   for chunk in plan.chunks if chunk.samples}
-        if self._cost is not None:
-            self._time_step(plan, sampled)
-        for req_id in scheduler.update(plan, sampled):
-            request = scheduler.requests.pop(req_id)
+        return {chunk.req_id: self._sampler.sample(scheduler.requests[chunk.req_id])
+                for chunk in plan.chunks if chunk.samples}
+
+    def _on_step(self, plan: StepPlan, finished: Sequence[str]) -> None:
+        del plan
+        times = self.driver.run.requests
+        for req_id in finished:
+            request = self.scheduler.requests.pop(req_id)
             self._sampler.forget(req_id)
-            times = self._times.pop(req_id, None)
-            if times is not None:
-                times.finished_s = self.clock_s
-            finished.append(Finished(self._index_of.pop(req_id),
-                                     len(request.prompt_token_ids),
-                                     request.first_hit_tokens or 0, times))
+            self._finished.append(Finished(self._index_of.pop(req_id),
+                                           len(request.prompt_token_ids),
+                                           request.first_hit_tokens or 0,
+                                           times.pop(req_id, None)))
         if self.settings.check_invariants:
             self.manager.check_invariants()
-
-    def _time_step(self, plan: StepPlan, sampled: Mapping[str, int]) -> None:
-        """``--clock time``: the step lasts what the cost model says; stamp admissions
-        (the step's start) and first tokens (its end)."""
-        assert self._cost is not None
-        started = self.clock_s
-        seconds = self._cost.seconds(plan.chunks)
-        self.clock_s += seconds
-        self.busy_seconds += seconds
-        for chunk in plan.chunks:
-            times = self._times[chunk.req_id]
-            if chunk.req_id in plan.admitted and times.admitted_s is None:
-                times.admitted_s = started
-                times.hit_tokens = chunk.num_hit_tokens
-        for req_id in sampled:
-            times = self._times[req_id]
-            times.output_tokens += 1
-            if times.first_token_s is None:
-                times.first_token_s = self.clock_s
 
     def queued_tokens(self) -> int:
         """Prompt tokens routed here and not yet computed (or loaded from the cache)."""

@@ -47,14 +47,8 @@ from hybridkv.cluster.instance import (
 from hybridkv.cluster.routers import Load, Route, Router, RouteRequest
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError, InvariantViolation
-from hybridkv.sim.timed import (
-    SLO,
-    RequestTimes,
-    TimedRun,
-    TimeSettings,
-    arrival_times,
-    summarise,
-)
+from hybridkv.sched.driver import RequestTimes, TimedRun
+from hybridkv.sim.timed import SLO, TimeSettings, arrival_times, summarise
 from hybridkv.traces.trace import Trace
 
 

@@ -1,4 +1,5 @@
-"""The engine loop: the shared ``Scheduler`` drives the model over paged KV.
+"""The engine loop: the shared ``Scheduler`` drives the model over paged KV, through the one
+drive loop (``hybridkv.sched.driver.Driver``; the model's step is its ``execute``).
 
 One step::
 
@@ -43,6 +44,7 @@ from hybridkv.engine.model import AttendFn, HybridDecoder, MixFn
 from hybridkv.engine.paged import PagedKVCache
 from hybridkv.engine.recurrent import gated_delta_reference
 from hybridkv.errors import CapacityError, ConfigError
+from hybridkv.sched.driver import Driver
 from hybridkv.sched.scheduler import SchedRequest, ScheduledChunk, Scheduler, StepPlan
 from hybridkv.sim.replay import ReplayObserver
 
@@ -148,14 +150,16 @@ def scheduler_admissions(scheduler: Scheduler,
     Example: two requests whose engine run sampled ``{"a": [5], "b": [7]}`` give e.g.
     ``{"a": (0, 0, 0), "b": (0, 0, 0)}`` under fcfs with two running slots."""
     position = dict.fromkeys(outputs, 0)
-    while scheduler.has_unfinished:
-        plan = scheduler.schedule()
+
+    def replay_outputs(plan: StepPlan) -> dict[str, int]:
         sampled = {}
         for chunk in plan.chunks:
             if chunk.samples:
                 sampled[chunk.req_id] = outputs[chunk.req_id][position[chunk.req_id]]
                 position[chunk.req_id] += 1
-        scheduler.update(plan, sampled)
+        return sampled
+
+    Driver(scheduler, replay_outputs).run_to_end()
     return {r.req_id: (r.eligible_step or 0, r.admitted_step or 0, r.first_hit_tokens or 0)
             for r in scheduler.requests.values()}
 
@@ -317,49 +321,18 @@ class EngineRunner:
             records[request.req_id] = RequestRecord(request.req_id,
                                                     len(request.prompt_token_ids))
         run_started = time.perf_counter()
-        computed = 0
-        num_copies = sub_block_hits = 0
-        step_starts: list[float] = []
-        while scheduler.has_unfinished:
-            step_started = time.perf_counter()
-            step_starts.append(step_started)
-            plan = scheduler.schedule()
-            if not plan.chunks:
-                raise CapacityError(
-                    f"step {scheduler.num_steps}: nothing could be scheduled; "
-                    f"num_blocks={self.cache_config.num_blocks} cannot hold the next request")
-            for chunk in plan.chunks:
-                record = records[chunk.req_id]
-                record.num_computed_tokens += chunk.num_new_tokens
-                computed += chunk.num_new_tokens
-                if chunk.req_id in plan.admitted:
-                    record.hit_tokens.append(chunk.num_hit_tokens)
-                    sub_block_hits += manager.coordinator.is_partial_hit(chunk.num_hit_tokens)
-                    record.prefill_plans.append(manager.prefill_plan(chunk.req_id))
-                    if record.admitted_s is None:
-                        record.admitted_s = step_started
-            copies = manager.take_block_copies()
-            num_copies += len(copies)
-            self.copy_blocks([c for c in copies if not c.after_forward])
-            sampled = self._execute(manager, plan, records)
-            self.copy_blocks([c for c in copies if c.after_forward])
-            step_done = time.perf_counter()
-            for req_id, token in sampled.items():
-                record = records[req_id]
-                record.output_token_ids.append(token)
-                if record.first_token_s is None:
-                    record.first_token_s = step_done
-            scheduler.update(plan, sampled)
-            for observer in opts.observers:
-                observer.on_step(manager, scheduler)
+        loop = _EngineLoop(self, manager, records)
+        driver = Driver(scheduler, loop.execute, clock=_PerfCounter(), on_step=loop.on_step)
+        loop.driver = driver
+        driver.run_to_end()
         for observer in opts.observers:
             observer.detach(manager, scheduler, None)
-        _note_waits(records, scheduler, step_starts)
+        _note_waits(records, scheduler, loop.step_starts)
         stats = manager.stats
         return RunResult(opts.policy, records, scheduler.num_steps, scheduler.num_preemptions,
-                         stats.queries, stats.hits, computed,
-                         time.perf_counter() - run_started, stats.bridge_tokens, num_copies,
-                         sub_block_hits)
+                         stats.queries, stats.hits, loop.computed,
+                         time.perf_counter() - run_started, stats.bridge_tokens,
+                         loop.num_copies, loop.sub_block_hits)
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Run ``ckpt:branch`` block copies in order: a recurrent group's checkpoint, or
@@ -499,3 +472,71 @@ class EngineRunner:
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
         return attend
+
+
+class _PerfCounter:
+    """The engine's clock: wall seconds (``time.perf_counter``); steps take their time."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def wait_until(self, t: float) -> None:
+        """Nothing: every request is queued when the run starts."""
+
+    def advance(self, seconds: float) -> None:
+        """Nothing: real steps already took their time."""
+
+
+class _EngineLoop:
+    """One engine run's step work for the ``Driver``: ``execute`` records each chunk,
+    runs the ``ckpt:branch`` copies and the model's forward pass and stamps the sampled
+    tokens; ``on_step`` calls the run's observers."""
+
+    def __init__(self, runner: EngineRunner, manager: KVCacheManager,
+                 records: dict[str, RequestRecord]) -> None:
+        self.runner = runner
+        self.manager = manager
+        self.records = records
+        self.driver: Driver | None = None
+        self.computed = 0
+        self.num_copies = 0
+        self.sub_block_hits = 0
+        self.step_starts: list[float] = []
+
+    def execute(self, plan: StepPlan) -> dict[str, int]:
+        assert self.driver is not None
+        step_started = self.driver.step_started
+        self.step_starts.append(step_started)
+        manager, records, runner = self.manager, self.records, self.runner
+        if not plan.chunks:
+            raise CapacityError(
+                f"step {self.driver.scheduler.num_steps}: nothing could be scheduled; "
+                f"num_blocks={runner.cache_config.num_blocks} cannot hold the next request")
+        for chunk in plan.chunks:
+            record = records[chunk.req_id]
+            record.num_computed_tokens += chunk.num_new_tokens
+            self.computed += chunk.num_new_tokens
+            if chunk.req_id in plan.admitted:
+                record.hit_tokens.append(chunk.num_hit_tokens)
+                self.sub_block_hits += manager.coordinator.is_partial_hit(chunk.num_hit_tokens)
+                record.prefill_plans.append(manager.prefill_plan(chunk.req_id))
+                if record.admitted_s is None:
+                    record.admitted_s = step_started
+        copies = manager.take_block_copies()
+        self.num_copies += len(copies)
+        runner.copy_blocks([c for c in copies if not c.after_forward])
+        sampled = runner._execute(manager, plan, records)
+        runner.copy_blocks([c for c in copies if c.after_forward])
+        step_done = time.perf_counter()
+        for req_id, token in sampled.items():
+            record = records[req_id]
+            record.output_token_ids.append(token)
+            if record.first_token_s is None:
+                record.first_token_s = step_done
+        return sampled
+
+    def on_step(self, plan: StepPlan, finished: Sequence[str]) -> None:
+        del plan, finished
+        assert self.driver is not None
+        for observer in self.runner.options.observers:
+            observer.on_step(self.manager, self.driver.scheduler)

@@ -173,7 +173,7 @@ class ObservedManager(KVCacheManager):
 
     def allocate_slots(self, req_id: ReqId, num_new_tokens: int, hit: PrefixHit | None = None,
                        *, num_lookahead_tokens: int = 0, reserve_full_prompt: bool = False,
-                       ) -> Allocation | None:
+                       in_flight: bool = False) -> Allocation | None:
         admitting = not self.is_running(req_id)
         host = self.host
         if host is not None and admitting and req_id not in self._admitted and hit is not None:
@@ -183,7 +183,8 @@ class ObservedManager(KVCacheManager):
             self._host_hit[req_id] = (found, hit.num_tokens, reach)
         allocation = super().allocate_slots(req_id, num_new_tokens, hit,
                                             num_lookahead_tokens=num_lookahead_tokens,
-                                            reserve_full_prompt=reserve_full_prompt)
+                                            reserve_full_prompt=reserve_full_prompt,
+                                            in_flight=in_flight)
         if allocation is None or not admitting:
             self._host_hit.pop(req_id, None)
             return allocation

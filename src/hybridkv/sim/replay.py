@@ -18,17 +18,16 @@ from hybridkv.cache import KVCacheManager
 from hybridkv.config import CacheConfig
 from hybridkv.errors import HybridKVError, InvariantViolation, PoolTooSmallError
 from hybridkv.host_tier import HostReport
+from hybridkv.sched.driver import Driver, ModelClock, OutputSampler, TimedRun, drive
 from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
 from hybridkv.sim.bound import AdmissionLog, BoundShape
 from hybridkv.sim.bound_share import set_bounds, shared_bounds
 from hybridkv.sim.host_replay import HostLink
 from hybridkv.sim.misses import MissCauses, ObservedManager
-from hybridkv.sim.timed import ModelClock, TimedRun, TimeSettings, arrival_times, drive, summarise
+from hybridkv.sim.timed import TimeSettings, arrival_times, summarise
 from hybridkv.traces.prompts import LazyPrompt, PromptHasher
 from hybridkv.traces.trace import (
-    OUTPUT_TOKEN_BASE,
     Trace,
-    TraceRequest,
 )
 
 ProgressFn = Callable[[int, int], None]
@@ -203,51 +202,6 @@ def percentile(values: Sequence[int], pct: float) -> float:
     return ordered[int(rank) - 1]
 
 
-class OutputSampler:
-    """Deterministic "sampling": predetermined outputs, else unique ids counted up from
-    ``first_id``.
-
-    The replay registers every request up front (``OutputSampler(trace)``); a cluster
-    instance registers the requests routed to it (``add``) and drops them when they finish
-    (``forget``), drawing from its own id range so two instances never collide.
-
-    >>> from hybridkv.traces.trace import TraceRequest
-    >>> sampler = OutputSampler(first_id=100)
-    >>> sampler.add(TraceRequest("a", 4, 2, output_token_ids=(7, 8)))
-    >>> a = SchedRequest("a", (1, 2, 3, 4), 2)
-    >>> b = SchedRequest("b", (1, 2, 3, 4), 2)
-    >>> sampler.sample(a), sampler.sample(b), sampler.sample(b)
-    (7, 100, 101)
-    >>> sampler.forget("a"); sampler.sample(a)
-    102
-    """
-
-    def __init__(self, trace: Trace | None = None, first_id: int = OUTPUT_TOKEN_BASE) -> None:
-        self._predetermined: dict[str, tuple[int, ...]] = {}
-        self._next_unique = first_id
-        if trace is not None:
-            for request in trace.requests:
-                self.add(request)
-
-    def add(self, request: TraceRequest) -> None:
-        """Register ``request``'s predetermined outputs (if the trace gives any)."""
-        if request.output_token_ids:
-            self._predetermined[request.request_id] = request.output_token_ids
-
-    def forget(self, req_id: str) -> None:
-        """The request finished: drop its predetermined outputs."""
-        self._predetermined.pop(req_id, None)
-
-    def sample(self, request: SchedRequest) -> int:
-        fixed = self._predetermined.get(request.req_id)
-        position = len(request.output_token_ids)
-        if fixed is not None and position < len(fixed):
-            return fixed[position]
-        token = self._next_unique
-        self._next_unique += 1
-        return token
-
-
 def replay(trace: Trace, config: CacheConfig, policy: str,
            settings: ReplaySettings | None = None, progress: ProgressFn | None = None,
            ) -> RunResult:
@@ -329,12 +283,10 @@ def _run(trace: Trace, config: CacheConfig, scheduler: Scheduler,
          sample: Callable[[StepPlan], dict[str, int]],
          after_step: Callable[[StepPlan, Sequence[str]], None]) -> TimedRun | None:
     """Drive the scheduler to the end: the step clock (requests already queued), or
-    ``--clock time`` (``sim.timed.drive``: open-loop arrivals, steps timed by the cost
+    ``--clock time`` (``sched.driver.drive``: open-loop arrivals, steps timed by the cost
     model; returns the timed run)."""
-    if timing is None:
-        while scheduler.has_unfinished:
-            plan = scheduler.schedule()
-            after_step(plan, scheduler.update(plan, sample(plan)))
+    if timing is None:  # the step clock: the requests were queued at once
+        Driver(scheduler, sample, on_step=after_step).run_to_end()
         return None
     cost = timing.cost_model(config)
     arrivals = arrival_times([r.arrival_seconds for r in trace.requests],

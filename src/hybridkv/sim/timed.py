@@ -1,16 +1,9 @@
 """Open-loop runs in seconds: requests arrive at their times, steps take the time a clock
 gives them, and every request's TTFT, TPOT, queueing and end-to-end latency is recorded.
 
-``drive`` is the one loop both sides of the time model use: the replay (``ModelClock``:
-each step advances the clock by the cost model's prediction) and the reference engine on a
-GPU (``WallClock``: a step takes what it takes; ``bench/calibrate.py``). Per step::
-
-    add the requests whose arrival time has come      (none running and none come: jump or
-    plan = scheduler.schedule()                        sleep to the next arrival)
-    sampled = execute(plan)                           the engine runs it / the replay samples
-    clock advances by step_seconds(plan) (model clock; the wall clock just moved)
-    scheduler.update(plan, sampled)                   first tokens, finishes stamped at the
-                                                      step's end
+The loop is ``hybridkv.sched.driver`` (``drive``, ``Driver``: arrivals, the clock,
+per-request times); this module holds what the time model adds around it: arrival
+processes, SLOs, the run summary and the ``--clock time`` settings.
 
 Arrival process (``arrival_times``): the trace's ``arrival_seconds`` (relative to its first
 arrival) times ``time_scale`` (2 = half the rate, 0.5 = twice); ``rate`` replaces them by a
@@ -27,15 +20,12 @@ for its previous one (the scheduler's rule), so its TTFT includes that wait.
 from __future__ import annotations
 
 import random
-import time
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hybridkv.config import CacheConfig
-from hybridkv.errors import ConfigError, InvariantViolation
-from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
+from hybridkv.errors import ConfigError
+from hybridkv.sched.driver import ModelClock, RequestTimes, TimedRun, WallClock, drive
 from hybridkv.timing import StepCostModel, cost_model, gpu_named
 
 
@@ -58,164 +48,6 @@ def arrival_times(arrivals: Sequence[float | None], *, time_scale: float = 1.0,
     known = [float(a) for a in arrivals if a is not None]
     first = min(known, default=0.0)
     return [(a - first) * time_scale for a in known]
-
-
-class Clock(Protocol):
-    """Seconds since the run started."""
-
-    def now(self) -> float: ...
-    def wait_until(self, t: float) -> None: ...
-    def advance(self, seconds: float) -> None: ...
-
-
-class ModelClock:
-    """Simulated seconds: steps ``advance`` it, idle time jumps.
-
-    >>> c = ModelClock(); c.advance(0.25); c.wait_until(1.0); c.wait_until(0.5); c.now()
-    1.0
-    """
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def wait_until(self, t: float) -> None:
-        self.t = max(self.t, t)
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
-
-
-class WallClock:
-    """Real seconds (``time.perf_counter``): idle time is slept, steps take their time."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.start
-
-    def wait_until(self, t: float) -> None:
-        delay = t - self.now()
-        if delay > 0:
-            time.sleep(delay)
-
-    def advance(self, seconds: float) -> None:
-        """Nothing: real steps already took their time."""
-
-
-@dataclass(slots=True)
-class RequestTimes:
-    """One request's life in seconds since the run's start (``None``: did not happen)."""
-
-    arrival_s: float
-    prompt_tokens: int
-    admitted_s: float | None = None
-    first_token_s: float | None = None
-    finished_s: float | None = None
-    output_tokens: int = 0
-    hit_tokens: int = 0
-
-    @property
-    def ttft_s(self) -> float:
-        return (self.first_token_s or 0.0) - self.arrival_s
-
-    @property
-    def queue_s(self) -> float:
-        """Arrival → start of the step that first admitted it."""
-        return (self.admitted_s or 0.0) - self.arrival_s
-
-    @property
-    def e2e_s(self) -> float:
-        return (self.finished_s or 0.0) - self.arrival_s
-
-    @property
-    def tpot_s(self) -> float:
-        """Seconds per output token after the first (0 with one output token)."""
-        if self.output_tokens <= 1 or self.finished_s is None or self.first_token_s is None:
-            return 0.0
-        return (self.finished_s - self.first_token_s) / (self.output_tokens - 1)
-
-
-@dataclass(slots=True)
-class TimedRun:
-    """A finished open-loop run: requests by id, and per step (start, seconds, chunks)."""
-
-    requests: dict[str, RequestTimes] = field(default_factory=dict)
-    steps: list[tuple[float, float, tuple[tuple[int, int, bool], ...]]] = field(
-        default_factory=list)
-
-    @property
-    def busy_s(self) -> float:
-        return sum(seconds for _, seconds, _ in self.steps)
-
-    @property
-    def makespan_s(self) -> float:
-        """First arrival → last finish."""
-        if not self.requests:
-            return 0.0
-        return max(r.finished_s or 0.0 for r in self.requests.values()) - \
-            min(r.arrival_s for r in self.requests.values())
-
-
-Execute = Callable[[StepPlan], Mapping[str, int]]
-"""Runs a planned step and returns one sampled token per sampling chunk."""
-
-
-def drive(scheduler: Scheduler, arrivals: Sequence[tuple[float, SchedRequest]],
-          execute: Execute, clock: Clock,
-          step_seconds: Callable[[StepPlan], float] | None = None,
-          on_step: Callable[[StepPlan, Sequence[str]], None] | None = None) -> TimedRun:
-    """Run ``arrivals`` (seconds, request; any order) through ``scheduler`` to the end.
-
-    ``step_seconds`` (a model clock): the step's predicted time, added to ``clock`` after
-    ``execute``. ``on_step(plan, finished)`` after every update.
-    """
-    pending = deque(sorted(arrivals, key=lambda a: a[0]))
-    run = TimedRun()
-    while pending or scheduler.has_unfinished:
-        now = clock.now()
-        while pending and pending[0][0] <= now:
-            at, request = pending.popleft()
-            scheduler.add_request(request)
-            run.requests[request.req_id] = RequestTimes(at, len(request.prompt_token_ids))
-        if not scheduler.has_unfinished:
-            clock.wait_until(pending[0][0])
-            continue
-        started = clock.now()
-        plan = scheduler.schedule()
-        sampled = execute(plan)  # may raise its own error for an empty plan
-        if not plan.chunks:
-            raise InvariantViolation(f"step {scheduler.num_steps}: nothing could be "
-                                     "scheduled (the pool cannot hold the next request)")
-        if step_seconds is not None:
-            clock.advance(step_seconds(plan))
-        done = clock.now()
-        _stamp(run, plan, sampled, started, done)
-        run.steps.append((started, done - started, tuple(
-            (c.num_computed_tokens, c.num_new_tokens, c.samples) for c in plan.chunks)))
-        finished = scheduler.update(plan, sampled)
-        for req_id in finished:
-            run.requests[req_id].finished_s = done
-        if on_step is not None:
-            on_step(plan, finished)
-    return run
-
-
-def _stamp(run: TimedRun, plan: StepPlan, sampled: Mapping[str, int], started: float,
-           done: float) -> None:
-    for chunk in plan.chunks:
-        times = run.requests[chunk.req_id]
-        if chunk.req_id in plan.admitted and times.admitted_s is None:
-            times.admitted_s = started
-            times.hit_tokens = chunk.num_hit_tokens
-    for req_id in sampled:
-        times = run.requests[req_id]
-        times.output_tokens += 1
-        if times.first_token_s is None:
-            times.first_token_s = done
 
 
 def percentile_s(values: Sequence[float], pct: float) -> float:
@@ -361,3 +193,9 @@ scheduler steps) or time (seconds from the step-time model)
     except ConfigError as err:
         raise ConfigError(f"--{err.field}", err.value, err.fix) from None
     return TimeSettings(model, gpu, tp, time_scale, rate, 0, limits)
+
+
+__all__ = [  # the loop and its clocks are hybridkv.sched.driver's, named here too
+    "SLO", "ModelClock", "RequestTimes", "TimeSettings", "TimedRun", "WallClock", "arrival_times",
+    "drive", "parse_time_settings", "percentile_s", "summarise",
+]
