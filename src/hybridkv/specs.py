@@ -353,7 +353,7 @@ class RecurrentStateSpec(KindFacts):
     *checkpoint* (conv state + SSM state), whatever ``p`` is. One block holds one checkpoint
     (vLLM 0.33 ``mamba_cache_mode="align"``); the block table maps positions to checkpoints:
     table index ``i`` holds the state after ``(i + 1) * block_size`` tokens, or the null
-    block when no checkpoint is kept there (``docs/design.md``, "Recurrent state").
+    block when no checkpoint is kept there (``docs/recurrent.md``).
 
     ``block_size`` is the checkpoint spacing in tokens; in a hybrid model it equals the
     attention block size after unification (``hybridkv.recurrent.align_hybrid_block_size``).

@@ -26,7 +26,7 @@ index in its group. Reading or writing an item whose table entry is the null blo
 the table, or out of the pool raises ``InvariantViolation`` naming request, layer, role and
 position; with ``poison`` fresh pages hold NaN.
 
-**Specs** (``docs/design.md``, "DeepSeek-V4 groups"; per layer in vLLM 0.33's registration
+**Specs** (``docs/v4-groups.md``; per layer in vLLM 0.33's registration
 order: indexer keys, indexer state, window, entries, state): window
 ``SlidingWindowMLASpec(bs, w)``; entries and indexer keys ``CompressedAttentionSpec(bs,
 tokens_per_state=r, role="kv" | "indexer")`` (full-attention-like: a hit needs every entry

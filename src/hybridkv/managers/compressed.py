@@ -15,7 +15,7 @@ Both reuse an existing search, because vLLM 0.33 drives them through the same ma
 
 Retention applies to the window-like kinds (compressor state, sliding-window MLA) exactly
 as to sliding window; the compressed kinds are full-attention-like: always hashed, never
-released early (see ``docs/design.md``, "DeepSeek-V4 groups").
+released early (see ``docs/v4-groups.md``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Both are Belady MIN over *hit units* (``A``-token pieces of chained full-attention KV, ``A`` =
 the hit alignment) for the admission order a replay used (``AdmissionLog``); the argument why
-each is an upper bound is in ``docs/design.md`` ("The offline bounds"):
+each is an upper bound is in ``docs/bounds.md``:
 
 - ``bound_fa`` (``unit_optimum`` with a constant capacity): the pool as if every non-null
   block held full-attention KV of one group: ``(num_blocks - 1) * bs / A`` units.

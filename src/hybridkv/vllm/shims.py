@@ -17,8 +17,9 @@ from hybridkv.vllm.config import UnsupportedFeature, UnsupportedInternal
 
 
 class VllmBlocks:
-    """One vLLM ``KVCacheBlock`` per pool block id, made on first use (block 0: the null
-    block, one shared object as vLLM's). ``ref_cnt`` is refreshed from hybridkv when read
+    """One vLLM ``KVCacheBlock`` per pool block id, all made up front as vLLM's own pool
+    does (block 0: the null block, one shared object as vLLM's), so a table of ids maps
+    to blocks with one C-level ``map``. ``ref_cnt`` is refreshed from hybridkv when read
     through ``BlockPoolShim.blocks``; the Scheduler itself reads only ``block_id``.
 
     >>> # blocks.of_ids(((0, 5), (7,))) -> KVCacheBlocks(([null, #5], [#7]))
@@ -29,30 +30,24 @@ class VllmBlocks:
         from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
         self._core = core
-        self._make = KVCacheBlock
         self._wrap = KVCacheBlocks
-        self._by_id: list[Any] = [None] * core.pool.num_blocks
-        self._by_id[0] = KVCacheBlock(block_id=0, is_null=True)
+        self._by_id: list[Any] = [KVCacheBlock(block_id=0, is_null=True)]
+        self._by_id.extend(KVCacheBlock(block_id=i) for i in range(1, core.pool.num_blocks))
+        self.block = self._by_id.__getitem__
+        """Block id → its vLLM block object."""
         self._empty = KVCacheBlocks(tuple(() for _ in core.config.groups))
-
-    def block(self, block_id: int) -> Any:
-        found = self._by_id[block_id]
-        if found is None:
-            found = self._by_id[block_id] = self._make(block_id=block_id)
-        return found
 
     def of_ids(self, tables: Sequence[Sequence[int]]) -> Any:
         """vLLM ``KVCacheBlocks`` for per-group id lists (the shared empty one if none)."""
         if not any(tables):
             return self._empty
         block = self.block
-        return self._wrap(tuple([block(i) for i in ids] for ids in tables))
+        return self._wrap(tuple(list(map(block, ids)) for ids in tables))
 
     def all_blocks(self) -> list[Any]:
         """Every pool block, ``ref_cnt`` copied from hybridkv's pool now."""
         out = []
-        for core_block in self._core.pool.blocks:
-            block = self.block(core_block.block_id)
+        for core_block, block in zip(self._core.pool.blocks, self._by_id, strict=True):
             block.ref_cnt = core_block.ref_count
             out.append(block)
         return out
@@ -110,7 +105,7 @@ class _TablesShim(Mapping[str, list[Any]]):
         self._blocks = blocks
 
     def __getitem__(self, req_id: str) -> list[Any]:
-        return [self._blocks.block(i) for i in self._view[req_id]]
+        return list(map(self._blocks.block, self._view[req_id]))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._view)
