@@ -483,6 +483,8 @@ class KVCacheManager:
         num_full = num_tokens // self.hasher.block_size if state.external_hashes else \
             max(0, (num_tokens - self._lookahead) // self.hasher.block_size)
         del state.block_hashes[num_full:]
+        if self._event_log is not None:
+            self._event_log.truncate(req_id, num_full)
 
     def _checked_hit(self, req_id: ReqId, hit: PrefixHit, admitting: bool,
                      ) -> tuple[Sequence[Sequence[Block]], int]:

@@ -55,5 +55,9 @@ class EventRecorder(Protocol):
     def forget(self, req_id: str) -> None:
         """The request left."""
 
+    def truncate(self, req_id: str, num_hashes: int) -> None:
+        """The request's hashes from ``num_hashes`` on were dropped (``truncate_tokens``);
+        the ones that replace them differ."""
+
     def clear(self) -> None:
         """``reset_prefix_cache`` dropped every hash: one ``AllBlocksCleared``."""

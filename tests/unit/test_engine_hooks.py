@@ -119,3 +119,17 @@ def test_group_tables_is_a_live_read_only_view() -> None:
     assert not hasattr(tables, "__setitem__")
     m.remove_request("a")
     assert len(tables) == 0 and tables.num_cached_blocks("a") == 0
+
+
+def test_events_after_truncation_index_the_replacing_hashes() -> None:
+    m = KVCacheManager(CacheConfig.from_layers([FullAttentionSpec(4, 1)], 32), "latest",
+                       enable_kv_cache_events=True)
+    m.add_request("a", list(range(10)))
+    assert m.allocate_slots("a", 5) is not None  # the log indexes both hashes of [0, 8)
+    m.take_events()
+    m.truncate_tokens("a", 6)  # block [4, 8)'s hash goes; 60, 61 replace 6, 7
+    m.append_token_ids("a", [60, 61, 62])
+    assert m.allocate_slots("a", 4) is not None  # caches the new [4, 8)
+    stored = [e for e in m.take_events() if type(e).__name__ == "BlockStored"]
+    assert [list(e.token_ids) for e in stored] == [[4, 5, 60, 61]]
+    m.check_invariants()

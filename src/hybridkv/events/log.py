@@ -131,6 +131,21 @@ class EventLog:
         """The request left: drop its hash → position index."""
         self._positions.pop(req_id, None)
 
+    def truncate(self, req_id: str, num_hashes: int) -> None:
+        """The request kept only its first ``num_hashes`` hashes: positions from there on
+        leave the index, so the hashes that replace them are indexed afresh.
+
+        E.g. 3 indexed hashes, ``truncate(r, 2)``: position 2 is dropped; the next flush
+        indexes the request's new third hash at position 2.
+        """
+        entry = self._positions.get(req_id)
+        if entry is None or len(entry[1]) <= num_hashes:
+            return
+        index, chain = entry
+        for block_hash in [h for h, k in index.items() if k >= num_hashes]:
+            del index[block_hash]
+        del chain[num_hashes:]
+
     def flush(self, request: RequestContext | None) -> None:
         """Resolve the pending records, in order; stores need ``request``."""
         records = self.records
