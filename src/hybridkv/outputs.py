@@ -77,7 +77,7 @@ def check_output_path(flag: str, path: Path | str, *, plot: bool = False) -> Pat
                               "FIFO or socket)", "write to a regular file")
     if plot:
         formats = plot_formats()
-        extension = target.suffix.lower().lstrip(".")
+        extension = plot_format(target)
         if extension not in formats:
             raise OutputPathError(
                 flag, text, f"extension '.{extension}' is not a plot format" if extension
@@ -167,17 +167,24 @@ def check_output_paths(named: Sequence[tuple[str, Path | str | None]],
     return checked
 
 
+def _temporary_file(flag: str, destination: Path) -> Path:
+    """A new empty file (``.hybridkv-*.tmp``) in ``destination``'s directory; an
+    ``OSError`` becomes ``OutputPathError`` naming ``flag``."""
+    try:
+        handle, name = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX,
+                                        dir=destination.parent)
+    except OSError as err:
+        raise OutputPathError(flag, destination, f"cannot create files in "
+                              f"'{destination.parent}' ({err.strerror})",
+                              "choose a writable directory") from err
+    os.close(handle)
+    return Path(name)
+
+
 def _probe_writable(flag: str, target: Path) -> None:
     """Create and remove a temporary file next to ``target`` (catches read-only file
     systems and missing permissions, also for root, where ``os.access`` says yes)."""
-    try:
-        handle, name = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX,
-                                        dir=target.parent)
-    except OSError as err:
-        raise OutputPathError(flag, target, f"cannot create files in '{target.parent}' "
-                              f"({err.strerror})", "choose a writable directory") from err
-    os.close(handle)
-    os.unlink(name)
+    _temporary_file(flag, target).unlink()
 
 
 def probe_directory(flag: str, directory: Path) -> None:
@@ -201,14 +208,7 @@ class StagedOutputs:
 
     def stage(self, flag: str, path: Path, write: Callable[[Path], object]) -> None:
         """Call ``write(temporary_path)``; an ``OSError`` becomes ``OutputPathError``."""
-        try:
-            handle, name = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX,
-                                            dir=path.parent)
-        except OSError as err:
-            raise OutputPathError(flag, path, f"cannot create files in '{path.parent}' "
-                                  f"({err.strerror})", "choose a writable directory") from err
-        os.close(handle)
-        temporary = Path(name)
+        temporary = _temporary_file(flag, path)
         self._staged.append((temporary, path))
         try:
             os.chmod(temporary, 0o666 & ~_umask())  # mkstemp's 0600 → what open() would give
@@ -246,5 +246,49 @@ class StagedOutputs:
         self.discard()
 
 
-__all__ = ["StagedOutputs", "check_output_path", "path_mode", "plot_formats",
-           "probe_directory", "resolved_path"]
+def plot_format(path: Path) -> str:
+    """The format matplotlib saves ``path`` in: its extension, lower case, no dot.
+
+    >>> plot_format(Path("runs/hit.SVG"))
+    'svg'
+    """
+    return path.suffix.lower().lstrip(".")
+
+
+Write = tuple[str, Path | None, Callable[[Path], object]]
+"""``(flag, destination or None when the flag was not given, write(temporary_path))``."""
+
+
+def plot_output(destination: Path | None, draw: Callable[[Path, str], object]) -> Write:
+    """The ``--plot`` entry of ``write_outputs``: ``draw(temporary_path, format)`` with the
+    format ``destination``'s extension names (``plot_format``).
+
+    >>> flag, where, write = plot_output(Path("hit.pdf"), lambda tmp, fmt: print(tmp, fmt))
+    >>> flag, where, write(Path(".hybridkv-1.tmp"))
+    .hybridkv-1.tmp pdf
+    ('--plot', PosixPath('hit.pdf'), None)
+    """
+    fmt = "" if destination is None else plot_format(destination)  # None: never drawn
+    return "--plot", destination, lambda tmp: draw(tmp, fmt)
+
+
+def write_outputs(writes: Sequence[Write]) -> None:
+    """Stage every output whose destination is given, in order, and rename them into place
+    together (none of them when any write fails).
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> write_outputs([("--json", folder / "r.json", lambda tmp: tmp.write_text("{}")),
+    ...                ("--plot", None, lambda tmp: tmp.write_text("not written"))])
+    >>> sorted(p.name for p in folder.iterdir())
+    ['r.json']
+    """
+    with StagedOutputs() as staged:
+        for flag, destination, write in writes:
+            if destination is not None:
+                staged.stage(flag, destination, write)
+        staged.commit()
+
+
+__all__ = ["StagedOutputs", "Write", "check_output_path", "path_mode", "plot_format",
+           "plot_formats", "plot_output", "probe_directory", "resolved_path", "write_outputs"]

@@ -96,8 +96,12 @@ def test_pool_too_small_for_any_request_raises() -> None:
 def test_kv_cache_must_match_the_cache_config() -> None:
     runner = _runner()
     other = _runner(num_blocks=300)
-    with pytest.raises(ConfigError, match="kv_cache"):
+    with pytest.raises(ConfigError, match=r"kv_cache.*PagedKVCache.*pool size"):
         EngineRunner(runner.model, other.cache_config, kv_cache=runner.kv_cache)
+    with pytest.raises(ConfigError, match=r"state_cache.*PagedStateCache.*pool size"):
+        EngineRunner(runner.model, other.cache_config, state_cache=runner.state_cache)
+    EngineRunner(runner.model, runner.cache_config, kv_cache=runner.kv_cache,
+                 state_cache=runner.state_cache)  # the pages' own config: accepted
 
 
 def _cli(*argv: str) -> int:

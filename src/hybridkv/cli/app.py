@@ -149,13 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--policy", default="core", type=non_empty_str,
                         help="comma-separated policies, or 'core' (default): "
                         + ",".join(CORE_POLICIES))
-    replay.add_argument("--json", type=_path, help="write the report as JSON")
-    replay.add_argument("--plot", type=_path,
-                        help="write a plot (.png, .pdf, .svg, … by the extension)")
-    replay.add_argument("--paranoid", action="store_true",
-                        help="check every invariant after every step (slow)")
-    replay.add_argument("--quiet", action="store_true", help="no progress bar")
-    replay.add_argument("--detail", action="store_true", help=DETAIL_HELP)
+    _add_report_arguments(replay)
     replay.add_argument("--jobs", type=positive_int, default=1,
                         help="replay policies in this many processes (default 1)")
     replay.add_argument("--host-memory", type=non_empty_str, default=None, metavar="SIZE",
@@ -204,11 +198,23 @@ def build_parser() -> argparse.ArgumentParser:
                              description=CLUSTER_HELP,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cluster_arguments(cluster, _add_source_arguments,
-                          lambda p: _add_pool_arguments(p, many=False), _path)
-    cluster.add_argument("--detail", action="store_true", help=DETAIL_HELP)
+                          lambda p: _add_pool_arguments(p, many=False))
+    _add_report_arguments(cluster)
 
     _add_verify_parser(sub)
     return parser
+
+
+def _add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """``replay``'s and ``cluster``'s report options: ``--json``, ``--plot``, ``--paranoid``,
+    ``--quiet``, ``--detail``."""
+    parser.add_argument("--json", type=_path, help="write the report as JSON")
+    parser.add_argument("--plot", type=_path,
+                        help="write a plot (.png, .pdf, .svg, … by the extension)")
+    parser.add_argument("--paranoid", action="store_true",
+                        help="check every invariant after every step (slow)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--detail", action="store_true", help=DETAIL_HELP)
 
 
 def _add_verify_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:

@@ -29,7 +29,7 @@ from hybridkv.cluster.simulate import (
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
 from hybridkv.models.shapes import load_model
-from hybridkv.outputs import StagedOutputs, check_output_paths
+from hybridkv.outputs import check_output_paths, plot_output, write_outputs
 from hybridkv.policies import PolicySpec
 from hybridkv.sched.admission import parse_admissions
 from hybridkv.sim.run import (
@@ -187,13 +187,9 @@ def cmd_cluster(args: argparse.Namespace, console: Console, err_console: Console
            if replay_settings.timing is not None else {}),
     })
     render_cluster_table(report, console, detail=args.detail)
-    with StagedOutputs() as staged:
-        if json_path is not None:
-            staged.stage("--json", json_path, report.write_json)
-        if plot_path is not None:
-            staged.stage("--plot", plot_path, lambda tmp: plot_cluster(
-                report, tmp, format=plot_path.suffix.lstrip(".").lower()))
-        staged.commit()
+    write_outputs([
+        ("--json", json_path, report.write_json),
+        plot_output(plot_path, lambda tmp, fmt: plot_cluster(report, tmp, format=fmt))])
     del err_console
     return 0
 
@@ -216,9 +212,9 @@ def _at_least_one(text: str) -> float:
 
 def add_cluster_arguments(parser: argparse.ArgumentParser,
                           add_source: Callable[[argparse.ArgumentParser], None],
-                          add_pool: Callable[[argparse.ArgumentParser], None],
-                          path_type: Callable[[str], object]) -> None:
-    """The ``cluster`` subcommand's options (source and pool options shared with replay)."""
+                          add_pool: Callable[[argparse.ArgumentParser], None]) -> None:
+    """The ``cluster`` subcommand's own options, between the source and pool options and
+    the report options it shares with replay."""
     from hybridkv.cli.argtypes import non_empty_str, non_negative_float, positive_int
 
     add_source(parser)
@@ -252,12 +248,6 @@ def add_cluster_arguments(parser: argparse.ArgumentParser,
                         "--ray); results are identical to a serial run (default 1)")
     parser.add_argument("--ray", action="store_true",
                         help="run the instances as Ray actors (pip install 'hybridkv[ray]')")
-    parser.add_argument("--json", type=path_type, help="write the report as JSON")
-    parser.add_argument("--plot", type=path_type,
-                        help="write a plot (.png, .pdf, .svg, … by the extension)")
-    parser.add_argument("--paranoid", action="store_true",
-                        help="check every invariant after every step (slow)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 __all__: Sequence[str] = ("add_cluster_arguments", "cmd_cluster", "router_builders",

@@ -14,7 +14,7 @@ from rich.console import Console
 from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
 from hybridkv.models.shapes import ModelShape, load_model
-from hybridkv.outputs import StagedOutputs, check_output_paths
+from hybridkv.outputs import check_output_paths, plot_output, write_outputs
 from hybridkv.policies import PolicySpec
 from hybridkv.sched.admission import parse_admissions
 from hybridkv.sim.host_replay import resolve_host_memory
@@ -143,15 +143,10 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
         }, _max_rate([run.result.bound for run in runs]),
             _max_rate([run.result.bound_fa for run in runs]))
         render_table(report, console, detail=args.detail)
-        with StagedOutputs() as staged:
-            if json_path is not None:
-                staged.stage("--json", json_path, report.write_json)
-            if plot_path is not None:
-                staged.stage("--plot", plot_path, lambda tmp: plot_policies(
-                    report, tmp, format=plot_path.suffix.lstrip(".").lower()))
-            if observing.metrics_path is not None:
-                staged.stage("--metrics", observing.metrics_path, observing.write_metrics)
-            staged.commit()
+        write_outputs([
+            ("--json", json_path, report.write_json),
+            plot_output(plot_path, lambda tmp, fmt: plot_policies(report, tmp, format=fmt)),
+            ("--metrics", observing.metrics_path, observing.write_metrics)])
         if getattr(args, "linger_seconds", 0.0) > 0:
             err_console.print(f"serving the event replay / metrics for "
                               f"{args.linger_seconds:g} s")

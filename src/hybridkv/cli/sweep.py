@@ -24,16 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
 import hybridkv
 from hybridkv.cli.replay import resolve_settings, resolve_source
 from hybridkv.errors import ConfigError
 from hybridkv.models.shapes import ModelShape, load_model
-from hybridkv.outputs import StagedOutputs, check_output_paths
+from hybridkv.outputs import check_output_paths, plot_output, write_outputs
 from hybridkv.policies import PolicySpec
 from hybridkv.sched.admission import parse_admissions
-from hybridkv.sim.run import DEFAULT_MODEL, parse_policies, resolve_pool
+from hybridkv.sim.run import DEFAULT_MODEL, parse_policies, progress_bar, resolve_pool
 from hybridkv.sweep.cells import (
     ROW_FIELDS,
     TIME_FIELDS,
@@ -172,14 +172,11 @@ def plan_cells(args: argparse.Namespace, sources: Sequence[tuple[str, Source, di
 
 @contextmanager
 def _progress(enabled: bool, total: int, resumed: int) -> Iterator[Progress | None]:
-    if not enabled:
-        yield None
-        return
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-    with progress:
-        progress.add_task("cells" + (f" ({resumed} resumed)" if resumed else ""),
-                          total=total, completed=resumed)
+    """``progress_bar`` with one task counting the cells (``resumed`` of ``total`` done)."""
+    with progress_bar(enabled) as progress:
+        if progress is not None:
+            progress.add_task("cells" + (f" ({resumed} resumed)" if resumed else ""),
+                              total=total, completed=resumed)
         yield progress
 
 
@@ -252,17 +249,10 @@ def _report(args: argparse.Namespace, console: Console, cells: Sequence[Cell],
     rows = [_labelled(state.rows[c.key], c) for c in cells if c.key in state.rows]
     written = [str(p) for p in (outputs.csv, outputs.json, outputs.plot) if p is not None]
     if rows and written:
-        with StagedOutputs() as staged:
-            if outputs.csv is not None:
-                staged.stage("--csv", outputs.csv, lambda tmp: _write_csv(rows, tmp))
-            if outputs.json is not None:
-                staged.stage("--json", outputs.json, lambda tmp: _write_json(
-                    rows, state, tmp))
-            if outputs.plot is not None:
-                plot = outputs.plot
-                staged.stage("--plot", plot, lambda tmp: plot_sweep(
-                    rows, tmp, format=plot.suffix.lstrip(".").lower()))
-            staged.commit()
+        write_outputs([
+            ("--csv", outputs.csv, lambda tmp: _write_csv(rows, tmp)),
+            ("--json", outputs.json, lambda tmp: _write_json(rows, state, tmp)),
+            plot_output(outputs.plot, lambda tmp, fmt: plot_sweep(rows, tmp, format=fmt))])
     where = "" if store is None else f" in {store.directory}"
     too_small = sum(is_too_small(row) for row in rows)
     console.print(f"{len(cells)} cells: {state.computed} computed, {len(state.resumed)} "

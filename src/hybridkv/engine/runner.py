@@ -237,6 +237,17 @@ class RunOptions:
     called after every step."""
 
 
+def _check_reused_pages(argument: str, pages: PagedKVCache | PagedStateCache,
+                        cache_config: CacheConfig) -> None:
+    """Raise ``ConfigError`` unless ``pages`` (passed as ``argument``) were built for
+    ``cache_config``'s groups and pool size: pages of a 64-block pool cannot serve a
+    128-block one (block ids 64..127 would index past them)."""
+    if (pages.config.groups != cache_config.groups
+            or pages.config.num_blocks != cache_config.num_blocks):
+        raise ConfigError(argument, f"<{type(pages).__name__}>",
+                          "pages were built for other cache groups or pool size")
+
+
 class EngineRunner:
     """Runs workloads through ``model`` with one cache configuration and policy.
 
@@ -272,10 +283,8 @@ class EngineRunner:
             kv_cache = PagedKVCache(cache_config, num_kv_heads=mcfg.num_kv_heads,
                                     head_dim=mcfg.head_dim, dtype=model.dtype,
                                     device=model.device, poison=options.poison)
-        elif (kv_cache.config.groups != cache_config.groups
-              or kv_cache.config.num_blocks != cache_config.num_blocks):
-            raise ConfigError("kv_cache", "<PagedKVCache>",
-                              "pages were built for other cache groups or pool size")
+        else:
+            _check_reused_pages("kv_cache", kv_cache, cache_config)
         self.kv_cache = kv_cache
         self.recurrence = recurrence
         if state_cache is None:
@@ -283,10 +292,8 @@ class EngineRunner:
             state_cache = PagedStateCache(cache_config, mcfg, conv_dtype=model.dtype,
                                           state_dtype=state_dtype or wide,
                                           device=model.device, poison=options.poison)
-        elif (state_cache.config.groups != cache_config.groups
-              or state_cache.config.num_blocks != cache_config.num_blocks):
-            raise ConfigError("state_cache", "<PagedStateCache>",
-                              "pages were built for other cache groups or pool size")
+        else:
+            _check_reused_pages("state_cache", state_cache, cache_config)
         self.state_cache = state_cache
         self.scheduler: Scheduler | None = None
         self.manager: KVCacheManager | None = None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import vllm.v1.core.sched.scheduler as _sched_module
@@ -76,23 +76,26 @@ def _vllm_config_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
 
 
+def _init_with_hybridkv(base_init: Callable[..., None], args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> None:
+    """Run a vLLM scheduler's ``__init__`` (``base_init``, bound) with hybridkv's manager
+    swapped in, after refusing what the facade cannot serve."""
+    vllm_config = _vllm_config_of(args, kwargs)
+    refuse_unsupported_config(vllm_config)
+    options = options_from_vllm_config(vllm_config)
+    with manager_swapped(options.get("policy")):
+        base_init(*args, **kwargs)
+
+
 class HybridKVScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
     """vLLM's ``Scheduler`` with hybridkv's KV-cache manager."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        vllm_config = _vllm_config_of(args, kwargs)
-        refuse_unsupported_config(vllm_config)
-        options = options_from_vllm_config(vllm_config)
-        with manager_swapped(options.get("policy")):
-            super().__init__(*args, **kwargs)
+        _init_with_hybridkv(super().__init__, args, kwargs)
 
 
 class HybridKVAsyncScheduler(AsyncScheduler):  # type: ignore[misc]
     """vLLM's ``AsyncScheduler`` with hybridkv's KV-cache manager."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        vllm_config = _vllm_config_of(args, kwargs)
-        refuse_unsupported_config(vllm_config)
-        options = options_from_vllm_config(vllm_config)
-        with manager_swapped(options.get("policy")):
-            super().__init__(*args, **kwargs)
+        _init_with_hybridkv(super().__init__, args, kwargs)
