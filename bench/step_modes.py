@@ -97,16 +97,29 @@ def run_shape(bundle: cal.Bundle, args: argparse.Namespace, batch: int, context:
     return rows
 
 
-def summary(rows: list[dict[str, Any]]) -> None:
-    """Per (model, batch): decode steps split at their median wall time; the probes of
-    the slow half against the fast half."""
+def decode_groups(rows: list[dict[str, Any]],
+                  min_steps: int = 8) -> list[tuple[str, int, list[dict[str, Any]]]]:
+    """``(model, batch, steps)`` of the decode-only steps (every chunk one token) of each
+    (model, batch size), sorted, leaving out shapes with fewer than ``min_steps`` steps.
+
+    >>> decode, prefill = {"model": "m", "chunks": [["a", 1], ["b", 1]]}, {"model": "m",
+    ...                                                                   "chunks": [["a", 5]]}
+    >>> rows = [decode] * 8 + [prefill] * 8 + [{**decode, "model": "n"}] * 7
+    >>> [(model, batch, len(steps)) for model, batch, steps in decode_groups(rows)]
+    [('m', 2, 8)]
+    """
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
         if all(n == 1 for _, n in row["chunks"]):
             groups.setdefault((row["model"], len(row["chunks"])), []).append(row)
-    for (model, batch), group in sorted(groups.items()):
-        if len(group) < 8:
-            continue
+    return [(model, batch, group) for (model, batch), group in sorted(groups.items())
+            if len(group) >= min_steps]
+
+
+def summary(rows: list[dict[str, Any]]) -> None:
+    """Per (model, batch): decode steps split at their median wall time; the probes of
+    the slow half against the fast half."""
+    for model, batch, group in decode_groups(rows):
         cut = statistics.median(r["wall_s"] for r in group)
         halves = ([r for r in group if r["wall_s"] <= cut], [r for r in group if r["wall_s"] > cut])
         parts = []

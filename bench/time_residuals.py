@@ -199,14 +199,10 @@ def modes(path: Path) -> None:
     """Decode-only steps per (model, batch): wall quantiles, CPU time / wall, and the
     steps over 1.25x the shape's median (compile stalls over 1 s left out) against the
     rest, with the CPU probe timed before each."""
+    from step_modes import decode_groups  # imports torch: only for --modes
+
     rows = json.loads(gzip.decompress(path.read_bytes()))
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for row in rows:
-        if all(n == 1 for _, n in row["chunks"]):
-            groups.setdefault((row["model"], len(row["chunks"])), []).append(row)
-    for (model, batch), group in sorted(groups.items()):
-        if len(group) < 8:
-            continue
+    for model, batch, group in decode_groups(rows):
         walls = sorted(r["wall_s"] * 1e3 for r in group)
         cpu_share = statistics.median(r["cpu_s"] / r["wall_s"] for r in group)
         steady = [r for r in group if r["wall_s"] < 1.0]

@@ -182,6 +182,21 @@ def test_compressed_layers_change_the_output() -> None:
     assert float((with_entries[-1] - without[-1]).abs().max()) > 1e-3
 
 
+def test_converted_keeps_the_compressors_and_every_weight() -> None:
+    """``converted`` builds a ``CompressedDecoder`` (not the base class) of the same shape
+    and copies every weight, the compressors' and indexers' included."""
+    shape = CompressedModelConfig.tiny(compress_ratios=(0, 4, 16, 4))
+    model = CompressedDecoder(shape, seed=3)
+    wide = model.converted(dtype=torch.float32)
+    assert type(wide) is CompressedDecoder and wide.shape == shape
+    assert wide.compressors.keys() == model.compressors.keys()
+    prompt = _prompt(40, 2)
+    got, want = sequence_logits(wide, prompt).double(), sequence_logits(model, prompt)
+    assert float((got - want).abs().max()) < 1e-3
+    assert float((got - sequence_logits(CompressedDecoder(shape, seed=4), prompt))
+                 .abs().max()) > 1e-3  # another seed's weights: the check can fail
+
+
 def test_indexer_narrows_the_entries_and_covers_all_when_topk_is_large() -> None:
     prompt = _prompt(48, 4)
     logits = {topk: sequence_logits(CompressedDecoder(

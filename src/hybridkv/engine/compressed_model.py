@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, Self, cast
 
 import torch
 from torch import nn
@@ -243,15 +243,8 @@ class CompressedDecoder(HybridDecoder):
     def indexer(self, layer_id: int) -> Indexer:
         return cast(Indexer, self.indexers[str(layer_id)])
 
-    @torch.no_grad()
-    def converted(self, *, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None) -> CompressedDecoder:
-        """A copy with weights cast to ``dtype`` / moved to ``device``."""
-        other = CompressedDecoder(self.shape, dtype=dtype or self.dtype,
-                                  device=device or self.device, seed=None)
-        for target, source in zip(other.parameters(), self.parameters(), strict=True):
-            target.copy_(source)
-        return other
+    def _unseeded(self, dtype: torch.dtype, device: torch.device | str) -> Self:
+        return type(self)(self.shape, dtype=dtype, device=device, seed=None)
 
     def entry_keys(self, layer_id: int, pooled: torch.Tensor, first: int, *,
                    indexer: bool = False) -> torch.Tensor:

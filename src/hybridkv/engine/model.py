@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 from torch import nn
@@ -140,12 +141,15 @@ class HybridDecoder(nn.Module):
             self.mixer(layer_id).init_gates(generator)
         self._layer_weights = None
 
+    def _unseeded(self, dtype: torch.dtype, device: torch.device | str) -> Self:
+        """A model of this one's structure with unset weights (``converted`` fills them)."""
+        return type(self)(self.config, dtype=dtype, device=device, seed=None)
+
     @torch.no_grad()
     def converted(self, *, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None) -> HybridDecoder:
+                  device: torch.device | str | None = None) -> Self:
         """A copy of this model with its weights cast to ``dtype`` / moved to ``device``."""
-        other = HybridDecoder(self.config, dtype=dtype or self.dtype,
-                              device=device or self.device, seed=None)
+        other = self._unseeded(dtype or self.dtype, device or self.device)
         for target, source in zip(other.parameters(), self.parameters(), strict=True):
             target.copy_(source)
         return other

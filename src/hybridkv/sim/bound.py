@@ -64,7 +64,6 @@ HitTotals(prompt_tokens=40, hit_tokens=0)
 from __future__ import annotations
 
 import heapq
-import struct
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Container, Iterable, Iterator, Sequence
@@ -75,17 +74,13 @@ import xxhash
 
 from hybridkv.config import CacheConfig
 from hybridkv.hashing import encode_token_ids
-from hybridkv.sim.ceiling import HitTotals
+from hybridkv.sim.ceiling import HitTotals, chain_key
 from hybridkv.traces.trace import Trace, TraceRequest, common_prefix_length, expand_prompt
 
 _NEVER = 1 << 62
 _MASK = 2**64 - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _EMPTY = array("q")
-
-
-def _hash_pair(parent: int, value: int) -> int:
-    return int(xxhash.xxh3_64_intdigest(struct.pack("<QQ", parent, value & (2**64 - 1))))
 
 
 def _keyed_by_block_ids(request: TraceRequest) -> bool:
@@ -100,12 +95,23 @@ def block_keys(request: TraceRequest, index: int, block_size: int) -> array[int]
     num_blocks = request.input_length // block_size
     if _keyed_by_block_ids(request):
         return _keys_from_block_ids(request, index, block_size, num_blocks).keys
-    tokens = expand_prompt(request, index)
-    encoded = encode_token_ids(tokens[: num_blocks * block_size])
-    width = 8 * block_size
+    return _chained_keys(expand_prompt(request, index), num_blocks, block_size)
+
+
+def _chained_keys(tokens: Sequence[int], num_units: int, unit_tokens: int) -> array[int]:
+    """Keys of the first ``num_units`` ``unit_tokens``-token units of ``tokens``: unit
+    ``i``'s key is the xxh3-64 of its encoded tokens seeded with unit ``i - 1``'s key (0
+    for the first), so equal keys mean equal prefixes.
+
+    >>> a, b = _chained_keys([1, 2, 3, 4, 5], 2, 2), _chained_keys([1, 2, 9, 4], 2, 2)
+    >>> len(a), a[0] == b[0], a[1] == b[1]
+    (2, True, False)
+    """
+    encoded = encode_token_ids(tokens[: num_units * unit_tokens])
+    width = 8 * unit_tokens
     keys = array("Q")
     key = 0
-    for i in range(num_blocks):
+    for i in range(num_units):
         key = int(xxhash.xxh3_64_intdigest(encoded[i * width : (i + 1) * width], seed=key))
         keys.append(key)
     return keys
@@ -146,13 +152,13 @@ def _keys_from_block_ids(request: TraceRequest, index: int, block_size: int,
     chain = previous.chain[:first] if first and previous is not None else []
     key = chain[-1] if chain else 0
     for block_id in ids[first:]:
-        key = _hash_pair(key, block_id)
+        key = chain_key(key, block_id)
         chain.append(key)
     keys = previous.keys[:reused] if reused and previous is not None else array("Q")
     keys.extend([(chain[((i + 1) * block_size - 1) // size] ^ ((i + 1) * _GOLDEN)) & _MASK
                  for i in range(reused, num_covered)])
-    unique = _hash_pair(1 << 63, index)  # fill tokens past the trace blocks: request-unique
-    keys.extend(_hash_pair(unique, (i + 1) * block_size) for i in range(num_covered, num_blocks))
+    unique = chain_key(1 << 63, index)  # fill tokens past the trace blocks: request-unique
+    keys.extend(chain_key(unique, (i + 1) * block_size) for i in range(num_covered, num_blocks))
     return _ChainedKeys(ids, chain, keys, num_covered, size, block_size)
 
 
@@ -340,15 +346,7 @@ def unit_keys(request: TraceRequest, index: int, unit_tokens: int) -> array[int]
     if not request.output_token_ids:
         return block_keys(request, index, unit_tokens)
     tokens = expand_prompt(request, index) + list(request.output_token_ids)
-    num_units = len(tokens) // unit_tokens
-    encoded = encode_token_ids(tokens[: num_units * unit_tokens])
-    width = 8 * unit_tokens
-    keys = array("Q")
-    key = 0
-    for i in range(num_units):
-        key = int(xxhash.xxh3_64_intdigest(encoded[i * width : (i + 1) * width], seed=key))
-        keys.append(key)
-    return keys
+    return _chained_keys(tokens, len(tokens) // unit_tokens, unit_tokens)
 
 
 def unit_keys_by_index(trace: Trace, indices: Iterable[int],

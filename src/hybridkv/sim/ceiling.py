@@ -57,7 +57,13 @@ def infinite_cache_ceiling(trace: Trace, alignment_tokens: int) -> HitTotals:
     return HitTotals(prompt_tokens, hit_tokens)
 
 
-def _chain(parent: int, value: int) -> int:
+def chain_key(parent: int, value: int) -> int:
+    """The 64-bit key of ``value`` (taken mod 2**64) after the key ``parent``: xxh3-64 of
+    both packed as little-endian unsigned 64-bit integers.
+
+    >>> chain_key(0, 7) == chain_key(0, 7 + 2**64), chain_key(0, 7) == chain_key(1, 7)
+    (True, False)
+    """
     return int(xxhash.xxh3_64_intdigest(struct.pack("<QQ", parent, value & (2**64 - 1))))
 
 
@@ -68,7 +74,7 @@ def _match_block_ids(request: TraceRequest, coverage: dict[int, int]) -> int:
     matched = 0
     matching = True
     for i, block_id in enumerate(request.block_ids):
-        key = _chain(key, block_id)
+        key = chain_key(key, block_id)
         covered = max(0, min(size, request.input_length - i * size))
         if covered == 0:
             break
