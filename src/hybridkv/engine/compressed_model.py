@@ -283,31 +283,19 @@ class CompressedDecoder(HybridDecoder):
             raise ConfigError("attend", attend, "compressed layers need an attend callback "
                               "with a .compressed(layer_id, q, k, v, kv, score) method")
         # The base layer's body, with the compressor's projections of the same input h.
-        cfg, ops = self.config, self.ops
-        eps, hd, num_tokens = cfg.rms_norm_eps, cfg.head_dim, x.shape[0]
-        h = ops.norm(x, w.input_norm, eps)
-        q, k, v = torch.split(nnf.linear(h, w.qkv),
-                              [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd],
-                              dim=-1)
-        q = ops.norm_rope(q.reshape(num_tokens, cfg.num_heads, hd), w.q_norm, eps, cos, sin)
-        k = ops.norm_rope(k.reshape(num_tokens, cfg.num_kv_heads, hd), w.k_norm, eps, cos, sin)
-        v = v.reshape(num_tokens, cfg.num_kv_heads, hd)
+        h = self.ops.norm(x, w.input_norm, self.config.rms_norm_eps)
+        q, k, v = self._qkv(h, w, cos, sin)
         comp = self.compressor(layer_id)
         inputs = CompressedInputs(nnf.linear(h, comp.wkv), nnf.linear(h, comp.wgate))
         if self.shape.has_indexer(layer_id):
             index = self.indexer(layer_id)
             inputs = dataclasses.replace(
                 inputs, index_q=nnf.linear(h, index.wq).reshape(
-                    num_tokens, self.shape.index_heads, self.shape.index_head_dim),
+                    x.shape[0], self.shape.index_heads, self.shape.index_head_dim),
                 index_weights=nnf.linear(h, index.wweights),
                 index_kv=nnf.linear(h, index.compressor.wkv),
                 index_score=nnf.linear(h, index.compressor.wgate))
-        out = compressed(layer_id, q, k, v, inputs)
-        x = ops.add_norm(x, nnf.linear(out.reshape(num_tokens, cfg.num_heads * hd), w.o_proj),
-                         w.post_attn_norm, eps)
-        mlp = nnf.linear(ops.gated_gelu(nnf.linear(ops.norm(x, w.pre_ffn_norm, eps),
-                                                   w.gate_up)), w.down)
-        return ops.add_norm(x, mlp, w.post_ffn_norm, eps)
+        return self._attention_out(x, compressed(layer_id, q, k, v, inputs), w)
 
 
 class SequenceAttend:

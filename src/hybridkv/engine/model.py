@@ -215,27 +215,41 @@ class HybridDecoder(nn.Module):
         ops, mixer = self.ops, self.mixer(layer_id)
         projected = mixer.project(ops.norm(x, w.input_norm, eps))
         out = mixer.finish(mix(layer_id, projected), projected.z, eps)
-        x = ops.add_norm(x, out, w.post_attn_norm, eps)
-        mlp = nnf.linear(ops.gated_gelu(nnf.linear(ops.norm(x, w.pre_ffn_norm, eps),
-                                                   w.gate_up)), w.down)
-        return ops.add_norm(x, mlp, w.post_ffn_norm, eps)
+        return self._mlp(ops.add_norm(x, out, w.post_attn_norm, eps), w)
 
     def _layer(self, layer_id: int, x: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
                sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        cfg = self.config
-        eps = cfg.rms_norm_eps
-        num_tokens, hd = x.shape[0], cfg.head_dim
-        ops = self.ops
-        h = ops.norm(x, w.input_norm, eps)
+        q, k, v = self._qkv(self.ops.norm(x, w.input_norm, self.config.rms_norm_eps), w,
+                            cos, sin)
+        return self._attention_out(x, attend(layer_id, q, k, v), w)
+
+    def _qkv(self, h: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An attention layer's q ``[T, H, D]`` (normed, rotated), k ``[T, KVH, D]``
+        (normed, rotated) and v ``[T, KVH, D]`` of its normed input ``h`` ``[T, hidden]``."""
+        cfg, ops = self.config, self.ops
+        eps, hd, num_tokens = cfg.rms_norm_eps, cfg.head_dim, h.shape[0]
         q, k, v = torch.split(nnf.linear(h, w.qkv),
                               [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd],
                               dim=-1)
         q = ops.norm_rope(q.reshape(num_tokens, cfg.num_heads, hd), w.q_norm, eps, cos, sin)
         k = ops.norm_rope(k.reshape(num_tokens, cfg.num_kv_heads, hd), w.k_norm, eps, cos, sin)
-        v = v.reshape(num_tokens, cfg.num_kv_heads, hd)
-        out = attend(layer_id, q, k, v)
-        x = ops.add_norm(x, nnf.linear(out.reshape(num_tokens, cfg.num_heads * hd), w.o_proj),
-                         w.post_attn_norm, eps)
+        return q, k, v.reshape(num_tokens, cfg.num_kv_heads, hd)
+
+    def _attention_out(self, x: torch.Tensor, out: torch.Tensor,
+                       w: LayerWeights) -> torch.Tensor:
+        """The rest of an attention layer after attention gave ``out`` ``[T, H, D]``: output
+        projection into the residual ``x`` (post-attention norm), then the MLP block."""
+        cfg = self.config
+        projected = nnf.linear(out.reshape(x.shape[0], cfg.num_heads * cfg.head_dim),
+                               w.o_proj)
+        return self._mlp(self.ops.add_norm(x, projected, w.post_attn_norm, cfg.rms_norm_eps),
+                         w)
+
+    def _mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        """A layer's MLP block on the residual ``x``: gated-GELU MLP of the pre-FFN-normed
+        ``x``, added back with the post-FFN norm."""
+        ops, eps = self.ops, self.config.rms_norm_eps
         mlp = nnf.linear(ops.gated_gelu(nnf.linear(ops.norm(x, w.pre_ffn_norm, eps),
                                                    w.gate_up)), w.down)
         return ops.add_norm(x, mlp, w.post_ffn_norm, eps)
