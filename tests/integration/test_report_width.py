@@ -119,6 +119,27 @@ def test_default_replay_report_fits(width: int | None, tmp_path: Path,
 
 
 @pytest.mark.parametrize("width", WIDTHS)
+def test_time_clock_replay_report_fits(width: int | None, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """``--clock time --slo``: the table shows TTFT p99 and the goodput ``*`` is given
+    for (3 significant digits; runs equal there all get it), every core policy whole."""
+    doc_path = tmp_path / "t.json"
+    out = render(["replay", *SMALL_AGENTIC, "--model", "gemma3-1b", "--clock", "time",
+                  "--rate", "0.5", "--gpu", "h200", "--slo", "ttft=2,tpot=50ms", "--quiet",
+                  "--json", str(doc_path)], width, monkeypatch, capsys)
+    runs = json.loads(doc_path.read_text())["runs"]
+    assert len(runs) == 6
+    rows = table_rows(out, "agentic on gemma3-1b", len(runs), width or PIPED_WIDTH)
+    best = max(float(f"{run['time']['goodput_rps']:.3g}") for run in runs)
+    for line, run in zip(rows, runs, strict=True):
+        goodput = f"{run['time']['goodput_rps']:.3g}"
+        label = run["policy"] + (" *" if float(goodput) == best else "")
+        assert_row(line, label, [pct(run["hit_rate"]), pct(run["bound"]), goodput])
+    assert "* = best goodput" in out
+
+
+@pytest.mark.parametrize("width", WIDTHS)
 def test_readme_shaped_sweep_report_fits(width: int | None, trace: Path, tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:

@@ -154,24 +154,30 @@ def host_line(result: RunResult) -> str | None:
 
 def render_table(report: Report, console: Console, *, detail: bool = False) -> None:
     """Print the default policy table (what a user decides on: hit rate, ``bound``, the
-    largest miss cause, time; ``ceiling`` in the title, ``*`` per ``_star_rule``) and,
+    largest miss cause, time: the replay's wall seconds on the step clock, TTFT p99 and,
+    under ``--slo``, goodput on ``--clock time``; ``ceiling`` in the title, ``*`` per
+    ``_star_rule``) and,
     with ``detail``, the tables of the rest (miss causes, tokens, waiting and time)."""
     show_admission = any(run.result.admission != "fcfs" for run in report.runs)
     timed = any(run.result.time is not None for run in report.runs)
+    score, star = _star_rule(report)
+    goodput = star == "best goodput"  # the number the star is given for is in the table
     table = report_table(
         f"{report.trace} on {report.model} · ceiling {percent(report.ceiling)}",
         ["policy", *(["admission"] if show_admission else []), "hit rate", "bound",
-         *(["TTFT p99"] if timed else []), "largest miss", "wall s"],
+         *(["TTFT p99"] if timed else []), *(["goodput/s"] if goodput else []),
+         "largest miss", *([] if timed else ["wall s"])],
         labels={"policy", "admission"})
-    score, star = _star_rule(report)
     best = max((score(run.result) for run in report.runs), default=0.0)
     for run in report.runs:
         r = run.result
         mark = " *" if score(r) == best and len(report.runs) > 1 else ""
         ttft = [seconds(r.time["ttft_p99_s"]) if r.time else "–"] if timed else []
+        rps = [f"{(r.time or {}).get('goodput_rps', 0.0):.3g}"] if goodput else []
         table.add_row(f"{r.policy}{mark}", *([r.admission] if show_admission else []),
-                      percent(r.hit_rate), percent(r.bound), *ttft,
-                      largest_miss(r.misses.shares()), f"{r.wall_seconds:.2f}")
+                      percent(r.hit_rate), percent(r.bound), *ttft, *rps,
+                      largest_miss(r.misses.shares()),
+                      *([] if timed else [f"{r.wall_seconds:.2f}"]))
     console.print(table)
     pool = pool_line(report.settings)
     if pool:
@@ -197,9 +203,19 @@ def _star_rule(report: Report) -> tuple[Callable[[RunResult], float], str]:
     time when there is time."""
     if all(run.result.time is not None for run in report.runs) and report.runs:
         if all("goodput_rps" in (run.result.time or {}) for run in report.runs):
-            return (lambda r: (r.time or {}).get("goodput_rps", 0.0)), "best goodput"
-        return (lambda r: -(r.time or {}).get("ttft_p99_s", 0.0)), "lowest TTFT p99"
+            return (lambda r: _sig3((r.time or {}).get("goodput_rps", 0.0))), "best goodput"
+        return (lambda r: -_sig3((r.time or {}).get("ttft_p99_s", 0.0))), "lowest TTFT p99"
     return (lambda r: r.hit_rate), "best hit rate"
+
+
+def _sig3(value: float) -> float:
+    """``value`` to the 3 significant digits the table shows: runs that differ only below
+    them tie for ``*`` (0.172021 and 0.17202 requests/s are the same goodput).
+
+    >>> _sig3(0.172021) == _sig3(0.17202), _sig3(1234.5)
+    (True, 1230.0)
+    """
+    return float(f"{value:.3g}")
 
 
 def _render_detail(report: Report, console: Console) -> None:
