@@ -430,7 +430,9 @@ class KVCacheManager:
         that the settled tokens with known ids fill become cached (vLLM's
         ``cache_blocks(request, num_computed - num_in_flight)``); the slots of rolled-back
         tokens stay allocated for the next step. Tokens below are never un-computed: a
-        rollback below known tokens only means recomputing their (identical) KV.
+        rollback below known tokens only means recomputing their (identical) KV. Settled
+        tokens (``computed - in flight``) never go back: window blocks before them may
+        have left the table already (refused with ``ConfigError``).
 
         E.g. 32 computed after ``allocate_slots(r, 4, in_flight=True)`` (1 token + 3
         drafts, known 29), the step accepts 1 draft: ``append_token_ids(r, [a, b])``
@@ -441,11 +443,14 @@ class KVCacheManager:
         if not state.is_running:
             raise RequestError(f"request_id={req_id!r} is not running; settle applies to "
                                "a request that holds blocks")
+        settled_before = state.num_computed_tokens - state.num_in_flight_tokens
         if not (0 <= num_in_flight_tokens <= num_computed_tokens
-                <= state.num_computed_tokens):
+                <= state.num_computed_tokens) \
+                or num_computed_tokens - num_in_flight_tokens < settled_before:
             raise ConfigError("num_computed_tokens", num_computed_tokens,
                               f"need 0 <= in flight ({num_in_flight_tokens}) <= computed "
-                              f"<= {state.num_computed_tokens}")
+                              f"<= {state.num_computed_tokens}, and computed - in flight "
+                              f">= {settled_before} (settled tokens never roll back)")
         started = self.clock()
         state.num_computed_tokens = num_computed_tokens
         state.num_in_flight_tokens = num_in_flight_tokens

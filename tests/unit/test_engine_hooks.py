@@ -133,3 +133,25 @@ def test_events_after_truncation_index_the_replacing_hashes() -> None:
     stored = [e for e in m.take_events() if type(e).__name__ == "BlockStored"]
     assert [list(e.token_ids) for e in stored] == [[4, 5, 60, 61]]
     m.check_invariants()
+
+
+def test_settled_tokens_never_roll_back() -> None:
+    """A window block leaves the table once the settled tokens pass it: a settle below
+    them would have the next step recompute tokens whose window KV is gone (a null block
+    where the table needs KV), so it is refused and changes nothing."""
+    window = SlidingWindowSpec(4, 1, sliding_window=4)
+    m = KVCacheManager(CacheConfig.from_layers([FullAttentionSpec(4, 1), window], 32),
+                       "latest")
+    m.add_request("a", list(range(20)))
+    assert m.allocate_slots("a", 20) is not None  # settled: window blocks [0, 16) leave
+    m.append_token_ids("a", [5])
+    assert m.allocate_slots("a", 1, in_flight=True) is not None
+    tables = m.get_block_ids("a")
+    assert tables[1][:4] == (0, 0, 0, 0)
+    with pytest.raises(ConfigError):
+        m.settle("a", 10)  # token 10 would read window blocks 1 and 2: released
+    with pytest.raises(ConfigError):
+        m.settle("a", 21, 2)  # 19 settled: below the 20 reported before
+    assert m.num_computed_tokens("a") == 21 and m.get_block_ids("a") == tables
+    m.settle("a", 20)  # the in-flight token rolls back: allowed
+    m.check_invariants()
