@@ -470,19 +470,25 @@ class KVCacheManager:
         discarding its last sampled token before the next input arrives), with the
         hashes of blocks no longer full. Computed tokens are never dropped:
         ``num_computed_tokens <= num_tokens <= current``; under EAGLE lookahead hashes
-        not the token after them either (a cached block's hash covers it). The prompt
-        shrinks with it.
+        not the token after them either (a cached block's hash covers it). Nor the
+        tokens of the request's cached blocks (with their lookahead), which ``settle``
+        may have rolled back below: the block would keep its hash while the step after
+        writes the new tokens' KV into it. The prompt shrinks with it.
 
         E.g. 40 tokens (block 16: 2 hashes), 33 computed: ``truncate_tokens(r, 35)``
         keeps both hashes; ``truncate_tokens(r, 33)`` then too (33 // 16 = 2).
         """
         state = self._state(req_id, "truncate_tokens")
         tokens = state.token_ids
-        least = max(1, state.num_computed_tokens + min(self._lookahead, 1))
+        cached = max(m.num_cached_blocks.get(req_id, 0) * m.block_size
+                     for m in self.coordinator.managers)
+        least = max(1, state.num_computed_tokens + min(self._lookahead, 1),
+                    cached + self._lookahead if cached else 0)
         if not least <= num_tokens <= tokens.num_tokens:
             raise ConfigError("num_tokens", num_tokens,
                               f"must be in [{least}, {tokens.num_tokens}] (computed "
-                              f"{state.num_computed_tokens}, lookahead {self._lookahead})")
+                              f"{state.num_computed_tokens}, cached blocks end at {cached}, "
+                              f"lookahead {self._lookahead})")
         tokens.truncate(num_tokens)
         state.num_prompt_tokens = min(state.num_prompt_tokens, num_tokens)
         num_full = num_tokens // self.hasher.block_size if state.external_hashes else \

@@ -155,3 +155,24 @@ def test_settled_tokens_never_roll_back() -> None:
     assert m.num_computed_tokens("a") == 21 and m.get_block_ids("a") == tables
     m.settle("a", 20)  # the in-flight token rolls back: allowed
     m.check_invariants()
+
+
+def test_truncation_keeps_the_tokens_of_cached_blocks_after_a_rollback() -> None:
+    """Known tokens allocated in flight are cached at once; a settle rolling them back
+    leaves the cached block ending past the computed tokens. Truncating into it would keep
+    the block hashed as [0, 12) while the next step writes other tokens' KV into it, and a
+    later request sending [0, 12) would hit that KV: refused."""
+    m = full_manager()
+    m.add_request("a", list(range(12)))
+    assert m.allocate_slots("a", 8) is not None
+    assert m.allocate_slots("a", 4, in_flight=True) is not None  # caches [8, 12)
+    m.settle("a", 9)  # the in-flight tokens [9, 12) roll back
+    assert m.group_tables(0).num_cached_blocks("a") == 3
+    with pytest.raises(ConfigError):
+        m.truncate_tokens("a", 10)
+    m.truncate_tokens("a", 12)  # the cached block's tokens stay: allowed
+    m.append_token_ids("a", [70, 71])
+    assert m.allocate_slots("a", 5) is not None
+    m.add_request("b", [*range(12), 5])
+    assert m.find_longest_hit("b").num_tokens == 12  # the block holds [0, 12) indeed
+    m.check_invariants()
