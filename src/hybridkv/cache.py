@@ -473,7 +473,9 @@ class KVCacheManager:
         not the token after them either (a cached block's hash covers it). Nor the
         tokens of the request's cached blocks (with their lookahead), which ``settle``
         may have rolled back below: the block would keep its hash while the step after
-        writes the new tokens' KV into it. The prompt shrinks with it.
+        writes the new tokens' KV into it. The prompt shrinks with it. Engine hashes
+        (``external_hashes``) are taken to cover the lookahead tokens after their block as
+        vLLM's do: ``(num_tokens - L) // hb`` of them stay, as for hybridkv's own.
 
         E.g. 40 tokens (block 16: 2 hashes), 33 computed: ``truncate_tokens(r, 35)``
         keeps both hashes; ``truncate_tokens(r, 33)`` then too (33 // 16 = 2).
@@ -491,8 +493,7 @@ class KVCacheManager:
                               f"lookahead {self._lookahead})")
         tokens.truncate(num_tokens)
         state.num_prompt_tokens = min(state.num_prompt_tokens, num_tokens)
-        num_full = num_tokens // self.hasher.block_size if state.external_hashes else \
-            max(0, (num_tokens - self._lookahead) // self.hasher.block_size)
+        num_full = max(0, (num_tokens - self._lookahead) // self.hasher.block_size)
         del state.block_hashes[num_full:]
         if self._event_log is not None:
             self._event_log.truncate(req_id, num_full)

@@ -176,3 +176,26 @@ def test_truncation_keeps_the_tokens_of_cached_blocks_after_a_rollback() -> None
     m.add_request("b", [*range(12), 5])
     assert m.find_longest_hit("b").num_tokens == 12  # the block holds [0, 12) indeed
     m.check_invariants()
+
+
+def test_truncation_drops_an_engine_hash_whose_lookahead_token_went() -> None:
+    """Under lookahead hashes an engine's hash of block [4, 8) covers token 8 too (vLLM's
+    hasher): truncating token 8 away drops that hash, so the engine's hash over the new
+    token 8 replaces it (it was refused as one hash too many, and the block would have
+    been cached under the old token's hash)."""
+    m = KVCacheManager(CacheConfig.from_layers([FullAttentionSpec(4, 1)], 32,
+                                               use_eagle=True), "latest")
+    engine = m.hasher  # lookahead 1, as the engine's own hasher
+    old = list(range(9))
+    m.add_request("a", old, block_hashes=engine.hash_blocks(old), external_hashes=True)
+    assert m.allocate_slots("a", 7) is not None
+    m.truncate_tokens("a", 8)
+    new = [*range(8), 80]
+    m.append_token_ids("a", [80], block_hashes=engine.hash_blocks(new)[1:])
+    assert m.allocate_slots("a", 2) is not None  # [0, 9) computed: block [4, 8) cached
+    m.free("a")
+    for tokens, hit in ((new + [1], 8), (old + [1], 4)):
+        m.add_request(str(tokens), tokens, block_hashes=engine.hash_blocks(tokens),
+                      external_hashes=True)
+        assert m.find_longest_hit(str(tokens)).num_tokens == hit
+    m.check_invariants()

@@ -145,8 +145,8 @@ class HybridKVCacheManager:
         while keep < limit and ours[keep] == theirs[keep]:
             keep += 1
         core.truncate_tokens(req_id, keep)
-        self._num_hashes[req_id] = min(self._num_hashes[req_id],
-                                       keep // core.hasher.block_size)
+        kept = max(0, keep - core.config.hash_lookahead_tokens) // core.hasher.block_size
+        self._num_hashes[req_id] = min(self._num_hashes[req_id], kept)  # as truncate_tokens
         self._append(req_id, theirs[keep:], request.block_hashes, as_prompt=True)
         self._num_prompt_tokens[req_id] = request.num_prompt_tokens
 
