@@ -194,7 +194,7 @@ def test_truncation_drops_an_engine_hash_whose_lookahead_token_went() -> None:
     m.append_token_ids("a", [80], block_hashes=engine.hash_blocks(new)[1:])
     assert m.allocate_slots("a", 2) is not None  # [0, 9) computed: block [4, 8) cached
     m.free("a")
-    for tokens, hit in ((new + [1], 8), (old + [1], 4)):
+    for tokens, hit in (([*new, 1], 8), ([*old, 1], 4)):
         m.add_request(str(tokens), tokens, block_hashes=engine.hash_blocks(tokens),
                       external_hashes=True)
         assert m.find_longest_hit(str(tokens)).num_tokens == hit
