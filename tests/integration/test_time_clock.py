@@ -57,6 +57,12 @@ def test_a_slower_gpu_gives_longer_latencies(tmp_path: Path) -> None:
     (["--clock", "time", "--rate", "1", "--gpu", "v100"], "--gpu='v100' is invalid"),
     (["--clock", "time", "--rate", "1", "--slo", "ttft"], "--slo='ttft' is invalid"),
     (["--clock", "minutes"], "--clock='minutes' is invalid"),
+    # time-model flags on the step clock would be ignored: refused, naming --clock time
+    (["--slo", "ttft=2"], "--slo='ttft=2' is invalid: it sets the time model"),
+    (["--rate", "1"], "--rate=1.0 is invalid: it sets the time model"),
+    (["--gpu", "h100"], "add --clock time"),
+    (["--tp", "2"], "--tp=2 is invalid"),
+    (["--time-scale", "2"], "--time-scale=2.0 is invalid"),
 ])
 def test_bad_time_flags_are_one_line_exit_2(flags: list[str], message: str,
                                             capsys: pytest.CaptureFixture[str]) -> None:
@@ -108,7 +114,10 @@ def test_bounded_load_rule_runs_and_is_recorded(tmp_path: Path,
     with pytest.raises(SystemExit) as exited:
         main(["cluster", *BASE[:6], "--bounded-load", "0.9"])
     assert exited.value.code == 2
-    assert "must be a number >= 1, got '0.9'" in capsys.readouterr().err
+    assert "must be a finite number >= 1, got '0.9'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["cluster", *BASE[:6], "--bounded-load", "nan"])
+    assert "must be a finite number >= 1, got 'nan'" in capsys.readouterr().err
 
 
 def test_one_instance_cluster_times_like_the_replay(tmp_path: Path) -> None:

@@ -204,9 +204,12 @@ def _at_least_one(text: str) -> float:
 
     from hybridkv.cli.argtypes import non_negative_float
 
-    value = non_negative_float(text)
+    try:
+        value = non_negative_float(text)
+    except argparse.ArgumentTypeError:
+        value = -1.0  # nan, inf, words: the same message as a number below 1
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a number >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {text!r}")
     return value
 
 

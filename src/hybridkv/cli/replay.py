@@ -74,7 +74,7 @@ def resolve_settings(args: argparse.Namespace, source: Source) -> ReplaySettings
     timing = parse_time_settings(
         clock=getattr(args, "clock", "step"), model=_model_name(args), gpu=args.gpu,
         tp=args.tp, time_scale=args.time_scale, rate=args.rate,
-        slo=args.slo) if getattr(args, "clock", "step") != "step" else None
+        slo=args.slo)
     if timing is not None and timing.rate is None and any(
             r.arrival_seconds is None for t in source.scenarios.values() for r in t.requests):
         raise ConfigError("--clock", "time", f"{source.name} has no arrival times: add "

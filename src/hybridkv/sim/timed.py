@@ -181,8 +181,21 @@ def parse_time_settings(*, clock: str, model: str, gpu: str, tp: int, time_scale
     ...
     hybridkv.errors.ConfigError: --clock='wall' is invalid: choose step (the default: \
 scheduler steps) or time (seconds from the step-time model)
+    >>> parse_time_settings(clock="step", model="x", gpu="h200", tp=1, time_scale=1.0,
+    ...                     rate=None, slo="ttft=2")
+    Traceback (most recent call last):
+    ...
+    hybridkv.errors.ConfigError: --slo='ttft=2' is invalid: it sets the time model, which \
+runs only with --clock time (the default step clock counts scheduler steps); add --clock time
     """
     if clock == "step":
+        for flag, value, default in (("--gpu", gpu, "h200"), ("--tp", tp, 1),
+                                     ("--time-scale", time_scale, 1.0), ("--rate", rate, None),
+                                     ("--slo", slo, None)):
+            if value != default:  # a time flag on the step clock would be ignored silently
+                raise ConfigError(flag, value, "it sets the time model, which runs only with "
+                                  "--clock time (the default step clock counts scheduler "
+                                  "steps); add --clock time")
         return None
     if clock != "time":
         raise ConfigError("--clock", clock, "choose step (the default: scheduler steps) or "
