@@ -23,7 +23,7 @@ from hybridkv.models.shapes import ModelShape, num_blocks_for_memory, parse_size
 from hybridkv.parallel.processes import worker_init
 from hybridkv.parallel.task_feed import TaskFeed
 from hybridkv.policies import CORE_POLICIES, PolicySpec
-from hybridkv.sim.bound import AdmissionLog, BoundShape, offline_optimum
+from hybridkv.sim.bound import AdmissionLog, BoundShape
 from hybridkv.sim.bound_share import BoundBroker, BoundKeys, BoundPair, set_bounds, shared_bounds
 from hybridkv.sim.ceiling import infinite_cache_ceiling
 from hybridkv.sim.replay import ProgressFn, ReplaySettings, RunResult, attach_bounds, replay
@@ -206,12 +206,16 @@ def policy_run(source: Source, results: dict[str, RunResult]) -> PolicyRun:
 
 def log_keys(source: Source, config: CacheConfig,
              results: dict[str, RunResult]) -> dict[str, BoundKeys]:
-    """``BoundKeys`` of each scenario's admission log (none without full attention)."""
+    """``BoundKeys`` of each scenario's admission log (none without full attention); the
+    logs that get none are dropped from ``results`` (nothing will bound them)."""
     shape = BoundShape.of(config)
-    if shape is None:
-        return {}
-    return {key: BoundKeys.of(source.scenarios[key], result.log, shape)
-            for key, result in results.items() if result.log is not None}
+    keys = {} if shape is None else {
+        key: BoundKeys.of(source.scenarios[key], result.log, shape)
+        for key, result in results.items() if result.log is not None}
+    for scenario, result in results.items():
+        if scenario not in keys:
+            result.log = None
+    return keys
 
 
 def scenario_bounds(source: Source, config: CacheConfig, scenario: str, log: AdmissionLog,
@@ -275,11 +279,7 @@ def _run_in_worker(item: tuple[int, Task] | BoundTask) -> Replayed | Limits | Bo
     if task == _LIMITS:
         return source_limits(source, config)
     results = replay_policy(source, config, task[0], replace(settings, admission=task[1]), None)
-    keys = log_keys(source, config, results)
-    for scenario, result in results.items():
-        if scenario not in keys:
-            result.log = None
-    return Replayed(results, keys)
+    return Replayed(results, log_keys(source, config, results))
 
 
 def _dispatch_order(tasks: Sequence[Task]) -> list[int]:
@@ -419,24 +419,6 @@ def _merged(a: RunResult, b: RunResult) -> RunResult:
     return merged
 
 
-def source_bound(source: Source, config: CacheConfig) -> float | None:
-    """Offline optimum of the measured requests at this pool's token capacity."""
-    full = [g.spec.block_size for g in config.groups  # compressed attention counts too
-            if g.spec.is_full_attention]
-    if not full:
-        return None
-    block_size = full[0]
-    capacity_tokens = (config.num_blocks - 1) * block_size
-    prompt = hits = 0
-    for trace in source.scenarios.values():
-        bound = offline_optimum(trace, capacity_tokens, block_size, config.alignment_tokens)
-        hits += bound.hit_tokens  # the microbenchmark's fill prompts are distinct: no hits
-        prompt += bound.prompt_tokens
-        if source.is_multi_scenario:
-            prompt -= sum(r.input_length for r in trace.requests if r.tag != "replay")
-    return hits / prompt if prompt else 0.0
-
-
 def source_ceiling(source: Source, alignment_tokens: int) -> float:
     """Ceiling of the measured requests (the replay phase for the microbenchmark)."""
     prompt = hits = 0
@@ -457,5 +439,5 @@ def source_ceiling(source: Source, alignment_tokens: int) -> float:
 __all__ = [
     "DEFAULT_MODEL", "Limits", "all_policies", "check_pool_holds_requests",
     "log_keys", "parse_policies", "policy_run", "pool_summary", "progress_bar", "replay_policy",
-    "resolve_pool", "run_policies", "scenario_bounds", "source_bound", "source_ceiling",
+    "resolve_pool", "run_policies", "scenario_bounds", "source_ceiling",
 ]

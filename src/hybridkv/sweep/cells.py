@@ -253,11 +253,7 @@ def replay_cell(source: Source, shape: ModelShape, cell: Cell, options: CellOpti
     except PoolTooSmallError as err:
         return CellError(str(err), err.blocks_needed + 1,
                          cell.num_blocks * shape.bytes_per_block)
-    keys = log_keys(source, config, results)
-    for scenario, result in results.items():
-        if scenario not in keys:
-            result.log = None
-    return CellReplay(results, keys, BoundShape.of(config),
+    return CellReplay(results, log_keys(source, config, results), BoundShape.of(config),
                       source_ceiling(source, config.alignment_tokens))
 
 

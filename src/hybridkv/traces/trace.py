@@ -192,9 +192,7 @@ def expand_prompt(request: TraceRequest, request_index: int) -> list[int]:
     >>> expand_prompt(r, 0)
     [100, 101, 102, 7, 8]
     """
-    if not _is_int(request_index) or not 0 <= request_index < MAX_REQUEST_INDEX:
-        raise ConfigError("request_index", request_index,
-                          f"must be an integer in [0, {MAX_REQUEST_INDEX})")
+    _check_request_index(request_index)
     num_tokens = request.input_length
     if request.token_ids is not None:
         prompt = list(request.token_ids[:num_tokens])
@@ -207,6 +205,21 @@ def expand_prompt(request: TraceRequest, request_index: int) -> list[int]:
         base = FILL_TOKEN_BASE + request_index * FILL_TOKENS_PER_REQUEST
         prompt.extend(range(base + num_explicit, base + num_tokens))
     return prompt
+
+
+def _check_request_index(request_index: int) -> None:
+    """``ConfigError`` unless ``request_index`` is an integer in ``[0, MAX_REQUEST_INDEX)``
+    (index ``i`` owns the fill ids from ``FILL_TOKEN_BASE + i * FILL_TOKENS_PER_REQUEST``).
+
+    >>> _check_request_index(3)
+    >>> _check_request_index(True)
+    Traceback (most recent call last):
+    ...
+    hybridkv.errors.ConfigError: request_index=True is invalid: must be an integer in [0, ...)
+    """
+    if not _is_int(request_index) or not 0 <= request_index < MAX_REQUEST_INDEX:
+        raise ConfigError("request_index", request_index,
+                          f"must be an integer in [0, {MAX_REQUEST_INDEX})")
 
 
 def prompt_slice(request: TraceRequest, request_index: int, start: int, stop: int,
@@ -222,9 +235,7 @@ def prompt_slice(request: TraceRequest, request_index: int, start: int, stop: in
     """
     if request.token_ids is not None or request.token_id_ranges or not request.trace_block_size:
         return expand_prompt(request, request_index)[start:stop]
-    if not _is_int(request_index) or not 0 <= request_index < MAX_REQUEST_INDEX:
-        raise ConfigError("request_index", request_index,
-                          f"must be an integer in [0, {MAX_REQUEST_INDEX})")
+    _check_request_index(request_index)
     num_tokens = request.input_length
     start, stop = min(start, num_tokens), min(stop, num_tokens)
     size = request.trace_block_size
