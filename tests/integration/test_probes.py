@@ -404,6 +404,19 @@ PROBES: list[tuple[str, list[str], int, str]] = [
     ("verify-window-neg", ["verify", "--window", "-4"], 2, "--window"),
     ("verify-seed-neg", ["verify", "--seed", "-1"], 2, "--seed"),
     ("verify-policy-empty", ["verify", "--policy", ""], 2, "--policy"),
+    # options that would be ignored are refused, naming the option and the fix
+    ("verify-limit-without-trace", ["verify", "--limit", "5"], 2,
+     "--limit=5 is invalid: applies to --trace only"),
+    ("verify-max-tokens-without-trace", ["verify", "--trace-max-tokens", "64"], 2,
+     "--trace-max-tokens=64 is invalid: applies to --trace only"),
+    ("verify-workload-and-trace", ["verify", "--trace", "{d}/good.jsonl", "--workload",
+                                   "mixed"], 2, "--workload='mixed' is invalid: --trace"),
+    ("verify-hca-without-v4", ["verify", "--hca-ratio", "4"], 2,
+     "--hca-ratio=4 is invalid: applies to --pattern v4 only"),
+    ("verify-topk-without-v4", ["verify", "--pattern", "qwen3-next", "--index-topk", "2"], 2,
+     "--index-topk=2 is invalid: applies to --pattern v4 only"),
+    ("verify-chunk-without-llama4", ["verify", "--attention-chunk", "8"], 2,
+     "--attention-chunk=8 is invalid: applies to --pattern llama4 and mixed only"),
 ]
 
 
