@@ -30,7 +30,7 @@ import hybridkv
 from hybridkv.cli.replay import resolve_settings, resolve_source
 from hybridkv.errors import ConfigError
 from hybridkv.models.shapes import ModelShape, load_model
-from hybridkv.outputs import check_output_paths, plot_output, resolved_path, write_outputs
+from hybridkv.outputs import check_output_paths, plot_output, write_outputs
 from hybridkv.policies import PolicySpec
 from hybridkv.sched.admission import parse_admissions
 from hybridkv.sim.run import DEFAULT_MODEL, parse_policies, progress_bar, resolve_pool
@@ -71,17 +71,8 @@ class Outputs:
 
 
 def _check_outputs(args: argparse.Namespace) -> Outputs:
-    """The output files, checked; one naming the ``--results`` directory is refused before
-    anything runs (the directory would be created for the cells and the file's final
-    rename onto it would fail after the whole sweep)."""
     checked = check_output_paths([("--csv", args.csv), ("--json", args.json),
                                   ("--plot", args.plot)])
-    if args.results is not None:
-        results = resolved_path("--results", args.results)
-        for flag, path in checked.items():
-            if path is not None and resolved_path(flag, path) == results:
-                raise ConfigError(flag, str(path), "is the --results directory; name a file "
-                                  "outside it")
     return Outputs(checked["--csv"], checked["--json"], checked["--plot"])
 
 
@@ -193,7 +184,9 @@ def cmd_sweep(args: argparse.Namespace, console: Console, err_console: Console) 
     """Check everything, run the cells not stored yet, print the table, write the outputs
     (see the module docstring)."""
     outputs = _check_outputs(args)
-    store = None if args.results is None else ResultStore.open(args.results)
+    store = None if args.results is None else ResultStore.open(
+        args.results, outputs={"--csv": outputs.csv, "--json": outputs.json,
+                               "--plot": outputs.plot})
     ray_address: str | None = args.ray
     if ray_address is not None:
         from hybridkv.sweep.ray import check_reachable, require_ray
