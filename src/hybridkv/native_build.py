@@ -169,6 +169,14 @@ def check(package_dir: Path = PACKAGE_DIR, python: str = sys.executable) -> tupl
     return result.returncode == 0, (result.stdout + result.stderr).strip()
 
 
+USAGE = """usage: python -m hybridkv.native_build [--status | --require-compiled | --check]
+
+Compile the core with mypyc into the checkout's build/hybridkv-native/ (no argument), or:
+  --status            say which core an import selects and why
+  --require-compiled  the same; exit 1 unless it is the compiled core (CI)
+  --check             type-check the compiled modules as the isolated build sees them"""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hybridkv.native_build [--status | --require-compiled | --check]``.
 
@@ -177,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     the compiled modules the way the isolated build sees them, strictly (exit 1 on errors).
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    if args in (["--help"], ["-h"]):
+        print(USAGE)
+        return 0
     if args in (["--status"], ["--require-compiled"]):
         selection = decide()
         print(f"{selection.mode}: {selection.reason}")
@@ -187,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if passed else 1
     if args:
         print(f"hybridkv.native_build: unknown arguments {' '.join(args)!r}; "
-              "use no argument (build), --status, --require-compiled or --check",
+              "use no argument (build), --status, --require-compiled, --check or --help",
               file=sys.stderr)
         return 2
     root = native_root(PACKAGE_DIR)

@@ -280,3 +280,14 @@ def test_the_core_line_fits_80_columns(reason: str) -> None:
     assert line.startswith("core: pure Python (") and len(line) <= 80, line
     compiled = native.core_line(native.Selection("compiled", "the wheel's mypyc build " + "f" * 24))
     assert len(compiled) <= 80, compiled
+
+
+def test_help_prints_the_usage_and_unknown_flags_are_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridkv import native_build
+
+    assert native_build.main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python -m hybridkv.native_build")
+    assert native_build.main(["--stauts"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "'--stauts'" in err and "--help" in err and len(err.splitlines()) == 1
