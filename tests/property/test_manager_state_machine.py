@@ -313,7 +313,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(base=st.integers(0, 10**6), num_dropped=st.integers(0, 12),
           suffix=token_lists(16), external=st.integers(0, 3))
     def add_request(self, base: int, num_dropped: int, suffix: list[int],
-                    external: int) -> None:
+                    external: int = 1) -> None:
         """A quarter of the requests bring their hashes (``external_hashes``, the engine's
         hasher being this test's), a few of them fewer than their full blocks."""
         tokens = extend_prefix(list(self.sequences.values()), base, num_dropped, suffix,
