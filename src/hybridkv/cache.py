@@ -405,9 +405,11 @@ class KVCacheManager:
             admitting or in_flight or num_computed // hb != state.num_computed_tokens // hb
             or (lookahead and (lookahead > 1 or (num_computed - 1) // hb
                                != (state.num_computed_tokens - 1) // hb))
+            or state.external_hashes
         ):  # no group's full-block count changes while the tokens stay inside one hb block
             # (under lookahead hashes, nor while the hashed tokens do: a decode step's
-            # token can complete the hash of the block before it)
+            # token can complete the hash of the block before it; an engine's hashes may
+            # arrive any step after their block was computed)
             cacheable = min(state.num_computed_tokens, num_tokens) - max(0, lookahead - 1)
             coordinator.cache_blocks(req_id, state.block_hashes, cacheable,
                                      state.num_prompt_tokens, state.junction_tokens,

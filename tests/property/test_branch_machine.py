@@ -31,7 +31,7 @@ import test_manager_state_machine as base
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule, run_state_machine_as_test
-from strategies import HybridSetup
+from strategies import HybridSetup, token_lists
 
 from hybridkv import FullAttentionSpec, LayerSpec, PrefixHit, RecurrentStateSpec
 from hybridkv.block import Block
@@ -75,6 +75,19 @@ class BranchMachine(base.ManagerMachine):
         """Full-attention blocks holding a partial prefix: the ``L`` tokens after its last
         written slot from which the drafter KV of that slot was computed (``None``:
         not known when it was computed)."""
+
+    # The base machine's engine-hook rules (external hashes, in-flight rollback, two steps
+    # in flight) are left out: ckpt:branch engines plan synchronously, and the branch
+    # rules keep their share of the steps (the sabotage runs below rely on it).
+    @precondition(lambda self: len(self.manager.request_ids) < base.MAX_REQUESTS)
+    @rule(base=st.integers(0, 10**6), num_dropped=st.integers(0, 12),
+          suffix=token_lists(16))
+    def add_request(self, base: int, num_dropped: int, suffix: list[int],
+                    external: int = 1) -> None:
+        super().add_request(base, num_dropped, suffix, external)
+
+    in_flight_chunk_rolled_back = None  # type: ignore[assignment]
+    two_steps_in_flight = None  # type: ignore[assignment]
 
     def is_full(self, group_id: int) -> bool:
         return not self.is_recurrent(group_id)
@@ -173,7 +186,8 @@ class BranchMachine(base.ManagerMachine):
                         self.expected(group_id, tokens, idx)
                 else:
                     assert block.is_null
-        assert p == self.brute_force_hit(tokens, len(tokens) - 1), "hit is not maximal"
+        assert p == self.brute_force_hit(tokens, len(tokens) - 1,
+                                         self.num_hashed_tokens(req_id)), "hit is not maximal"
         self.num_hits += 1
         event("hit inside a block" + (" (EAGLE)" if self.lookahead else ""))
 
@@ -223,11 +237,15 @@ class BranchMachine(base.ManagerMachine):
             seen += tuple(after[: self.lookahead - len(seen)])
         return seen
 
-    def brute_force_hit(self, tokens: Sequence[int], limit: int) -> int:
+    def brute_force_hit(self, tokens: Sequence[int], limit: int,
+                        num_hashed_tokens: int | None = None) -> int:
         """The aligned answer, or a deeper sub-block position whose full-attention blocks
-        before it and snapshots in every group are in the hash index."""
-        aligned = super().brute_force_hit(tokens, limit)
+        before it and snapshots in every group are in the hash index (among the first
+        ``num_hashed_tokens`` tokens' hashes, when given)."""
+        aligned = super().brute_force_hit(tokens, limit, num_hashed_tokens)
         hashes = self.hasher.hash_blocks(tokens)
+        if num_hashed_tokens is not None:
+            del hashes[num_hashed_tokens // self.hasher.block_size:]
         pool = self.manager.pool
         u = self.unit
         for p in range(max(limit, 0) // u * u, aligned, -u):

@@ -74,7 +74,7 @@ class EvictionRecomputeMachine(ManagerMachine):
     def guaranteed_boundaries(self, req_id: str, num_computed: int) -> list[int]:
         return []
 
-    def check_retention(self, tokens: Sequence[int], num_hit: int) -> None:
+    def check_retention(self, tokens: Sequence[int], num_hit: int, num_hashed: int) -> None:
         pass
 
     def check_free_order(self, tables: list[list[object]]) -> None:  # type: ignore[override]

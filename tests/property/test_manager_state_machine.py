@@ -102,6 +102,14 @@ class ManagerMachine(RuleBasedStateMachine):
         retention promises like evictions do."""
         self.evictions_at_admission: dict[str, int] = {}
         self.ever_admitted: set[str] = set()
+        self.external: set[str] = set()
+        """Requests added with ``external_hashes=True`` (the test hashes them, as an engine)."""
+        self.late_hashes: set[str] = set()
+        """External requests added with fewer hashes than full blocks: window blocks that
+        left before their hash arrived were never cached, so no retention promise holds."""
+        self.written_to: dict[str, int] = {}
+        """Per running request: the end of the KV its steps wrote (past its computed tokens
+        after a settle rolled known in-flight tokens back; such blocks may be cached)."""
         # (computed tokens, boundaries the policy must keep hittable, evictions at admission)
         self.retained: dict[int, tuple[tuple[int, ...], list[int], int]] = {}
 
@@ -114,6 +122,16 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def tokens(self, req_id: str) -> list[int]:
         return list(self.manager.token_ids(req_id))
+
+    def append(self, req_id: str, token_ids: list[int], **kwargs: bool) -> None:
+        """``append_token_ids``, with the engine's hashes of the blocks they complete when
+        the request's hashes are external."""
+        if req_id not in self.external:
+            self.manager.append_token_ids(req_id, token_ids, **kwargs)
+            return
+        have = len(self.manager._requests[req_id].block_hashes)
+        hashes = self.hasher.hash_blocks(self.tokens(req_id) + token_ids)[have:]
+        self.manager.append_token_ids(req_id, token_ids, block_hashes=hashes, **kwargs)
 
     def expected(self, group_id: int, tokens: Sequence[int], idx: int) -> Content:
         return group_id, tuple(tokens[: (idx + 1) * self.specs[group_id].block_size])
@@ -129,7 +147,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.drafter_next[block_id] = None
         tokens = self.tokens(req_id)
         self.sequences[req_id] = tokens[:end]  # computed prefixes seed later prompts
-        boundaries = self.guaranteed_boundaries(req_id, end)
+        self.written_to[req_id] = max(self.written_to.get(req_id, 0), end)
+        boundaries = [] if req_id in self.late_hashes else \
+            self.guaranteed_boundaries(req_id, end)
         self.retained[self.lifetime[req_id]] = (
             tuple(tokens[:end + self.lookahead]), boundaries,
             self.evictions_at_admission[req_id])
@@ -160,9 +180,14 @@ class ManagerMachine(RuleBasedStateMachine):
     def is_recurrent(self, group_id: int) -> bool:
         return isinstance(self.specs[group_id], RecurrentStateSpec)
 
+    def num_hashed_tokens(self, req_id: str) -> int:
+        """Tokens the request's hashes cover (an external request may have fewer)."""
+        return len(self.manager._requests[req_id].block_hashes) * self.hasher.block_size
+
     def check_hit(self, req_id: str, hit: PrefixHit) -> None:
         tokens = self.tokens(req_id)
         limit = len(tokens) - 1
+        hashed = self.num_hashed_tokens(req_id)
         p = hit.num_tokens
         assert p % self.align == 0, (p, self.align)
         assert 0 <= p <= max(limit, 0)
@@ -190,9 +215,9 @@ class ManagerMachine(RuleBasedStateMachine):
                         f"before {self.drafter_next.get(block.block_id)}, request continues "
                         f"with {tokens[end : end + self.lookahead]}")
         if not self.drops:
-            assert p == self.brute_force_hit(tokens, limit), "hit is not maximal"
+            assert p == self.brute_force_hit(tokens, limit, hashed), "hit is not maximal"
             if not self.has_recurrent:  # recurrent checkpoints exist at chunk ends only
-                self.check_retention(tokens, p)
+                self.check_retention(tokens, p, hashed)
         if p:
             self.num_hits += 1
             event("admission with a prefix hit")
@@ -208,7 +233,8 @@ class ManagerMachine(RuleBasedStateMachine):
         Earlier positions relied on blocks of other requests, which may be gone."""
         hit, align = self.hit_at_admission[req_id], self.align
         # under lookahead hashes a block is hashed only once the tokens after it exist
-        num_computed = min(num_computed, len(self.tokens(req_id)) - self.lookahead)
+        num_computed = min(num_computed, len(self.tokens(req_id)) - self.lookahead,
+                           self.num_hashed_tokens(req_id))
         kind, _, arg = self.setup_.policy.partition(":")
         step = int(arg) if kind == "interval" else align
         replay = (self.prompt_len[req_id] - 1) // align * align
@@ -234,12 +260,13 @@ class ManagerMachine(RuleBasedStateMachine):
                         f"policy {self.setup_.policy}: group {group_id} block {idx} is needed "
                         f"at boundary {b} but was not hashed")
 
-    def check_retention(self, tokens: Sequence[int], num_hit: int) -> None:
+    def check_retention(self, tokens: Sequence[int], num_hit: int, num_hashed: int) -> None:
         """Until an eviction, every guaranteed boundary of an earlier request that this
-        request shares is hit (the policy really kept those window tails hashed)."""
+        request shares (within its ``num_hashed`` hashed tokens) is hit (the policy really
+        kept those window tails hashed)."""
         evictions = self.evictions()
         self.retained = {k: v for k, v in self.retained.items() if v[2] == evictions}
-        limit = len(tokens) - 1
+        limit = min(len(tokens) - 1, num_hashed)
         for computed, boundaries, _ in self.retained.values():
             shared = 0
             for a, b in zip(computed, tokens, strict=False):
@@ -253,16 +280,21 @@ class ManagerMachine(RuleBasedStateMachine):
                     f"policy {self.setup_.policy}: boundary {max(reachable)} of an earlier "
                     f"request was not retained (hit {num_hit})")
 
-    def brute_force_hit(self, tokens: Sequence[int], limit: int) -> int:
-        """Largest aligned p ≤ limit whose needed blocks are all in the hash index."""
+    def brute_force_hit(self, tokens: Sequence[int], limit: int,
+                        num_hashed_tokens: int | None = None) -> int:
+        """Largest aligned p ≤ limit whose needed blocks are all in the hash index (and
+        among the request's ``num_hashed_tokens`` hashed tokens, when given)."""
         hashes = self.hasher.hash_blocks(tokens)
+        if num_hashed_tokens is not None:
+            del hashes[num_hashed_tokens // self.hasher.block_size:]
         hb = self.hasher.block_size
         views = [coarse_hashes(hashes, s.block_size // hb) for s in self.specs]
         pool = self.manager.pool
 
         def valid(p: int) -> bool:
             return all(
-                pool.get_cached_block(BlockHash(views[g][i]), GroupId(g)) is not None
+                i < len(views[g])
+                and pool.get_cached_block(BlockHash(views[g][i]), GroupId(g)) is not None
                 for g, spec in enumerate(self.specs) for i in needed_blocks(spec, p)
             )
 
@@ -279,13 +311,25 @@ class ManagerMachine(RuleBasedStateMachine):
     # -------------------------------------------------------------------- rules
     @precondition(lambda self: len(self.manager.request_ids) < MAX_REQUESTS)
     @rule(base=st.integers(0, 10**6), num_dropped=st.integers(0, 12),
-          suffix=token_lists(16))
-    def add_request(self, base: int, num_dropped: int, suffix: list[int]) -> None:
+          suffix=token_lists(16), external=st.integers(0, 3))
+    def add_request(self, base: int, num_dropped: int, suffix: list[int],
+                    external: int = 1) -> None:
+        """A quarter of the requests bring their hashes (``external_hashes``, the engine's
+        hasher being this test's), a few of them fewer than their full blocks."""
         tokens = extend_prefix(list(self.sequences.values()), base, num_dropped, suffix,
                                MAX_PROMPT)
         req_id = f"r{self.next_id}"
         self.next_id += 1
-        self.manager.add_request(req_id, tokens)
+        if external:
+            self.manager.add_request(req_id, tokens)
+        else:
+            hashes = self.hasher.hash_blocks(tokens)
+            given = hashes[:base % 4 or None]
+            self.manager.add_request(req_id, tokens, block_hashes=given,
+                                     external_hashes=True)
+            self.external.add(req_id)
+            if len(given) < len(hashes):
+                self.late_hashes.add(req_id)
         self.prompt_len[req_id] = len(tokens)
         assert self.manager.num_tokens(req_id) == len(tokens)
 
@@ -328,7 +372,7 @@ class ManagerMachine(RuleBasedStateMachine):
         req_id = running[pick % len(running)]
         computed = self.manager.num_computed_tokens(req_id)
         if computed == self.manager.num_tokens(req_id):
-            self.manager.append_token_ids(req_id, decode)  # decode (or accepted drafts)
+            self.append(req_id, decode)  # decode (or accepted drafts)
         num_new = min(chunk, self.manager.num_tokens(req_id) - computed)
         lengths = [len(t) for t in self.manager.get_block_ids(req_id)]
         allocation = self.manager.allocate_slots(req_id, num_new,
@@ -357,7 +401,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if computed < known - 1:
             return  # still prefilling
         if computed == known:
-            self.manager.append_token_ids(req_id, sampled[:1] or [0])
+            self.append(req_id, sampled[:1] or [0])
             known += 1
         if self.has_recurrent:
             num_drafts = 0  # a recurrent state cannot roll back (vLLM keeps draft states)
@@ -372,12 +416,67 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.manager.num_computed_tokens(req_id) == computed + num_new > known - 1
         accepted = min(accepted, num_drafts)
         ids = sampled or [0]
-        self.manager.append_token_ids(req_id, [ids[i % len(ids)] for i in range(accepted + 1)])
+        self.append(req_id, [ids[i % len(ids)] for i in range(accepted + 1)])
         self.manager.settle(req_id, computed + 1 + accepted)
         if accepted < num_drafts:
             event("in-flight drafts rolled back")
         self.record_computed(req_id, computed, computed + 1 + accepted,
                              allocation.new_block_ids)
+
+    @precondition(lambda self: any(self.manager.is_running(r)
+                                   for r in self.manager.request_ids))
+    @rule(pick=st.integers(0, 10**6), chunk=st.integers(2, MAX_PROMPT),
+          back=st.integers(1, 8))
+    def in_flight_chunk_rolled_back(self, pick: int, chunk: int, back: int) -> None:
+        """An async prefill chunk of known tokens, allocated in flight (its full blocks
+        are cached at once), reports back fewer tokens computed: the rest roll back and
+        are recomputed later (their KV, written by the step, is identical)."""
+        running = self.running()
+        req_id = running[pick % len(running)]
+        computed = self.manager.num_computed_tokens(req_id)
+        chunk = min(chunk, self.manager.num_tokens(req_id) - computed)
+        if chunk < 2 or self.has_recurrent:  # a recurrent state cannot roll back
+            return
+        allocation = self.manager.allocate_slots(req_id, chunk, in_flight=True)
+        if allocation is None:
+            event("in-flight chunk refused")
+            return
+        self.manager.settle(req_id, computed + chunk - min(back, chunk - 1))
+        self.record_computed(req_id, computed, computed + chunk, allocation.new_block_ids)
+        event("known in-flight tokens rolled back")
+
+    @precondition(lambda self: any(self.manager.is_running(r)
+                                   for r in self.manager.request_ids))
+    @rule(pick=st.integers(0, 10**6), sampled=token_lists(2))
+    def two_steps_in_flight(self, pick: int, sampled: list[int]) -> None:
+        """Async decode: step s + 1 is planned before step s reports; s settles while
+        s + 1 is still in flight (window blocks stay for it), then s + 1 settles."""
+        running = self.running()
+        req_id = running[pick % len(running)]
+        computed = self.manager.num_computed_tokens(req_id)
+        if computed != self.manager.num_tokens(req_id) - 1:
+            return  # prefilling, or no sampled token to feed
+        ids = [*sampled, 0, 0]
+        first = self.manager.allocate_slots(req_id, 1, in_flight=True)
+        if first is None:
+            return
+        # the device runs step s before s + 1: its KV (and state) is written first
+        self.record_computed(req_id, computed, computed + 1, first.new_block_ids)
+        second = self.manager.allocate_slots(req_id, 1, in_flight=True)
+        self.append(req_id, ids[:1])  # step s reports its sampled token
+        if second is None:
+            self.manager.settle(req_id, computed + 1)  # may hash the block s completed
+            self.record_computed(req_id, computed + 1, computed + 1, [])  # (drafter KV)
+            return
+        self.manager.settle(req_id, computed + 2, 1)
+        self.manager.check_invariants()
+        for group_id, table in enumerate(self.manager.get_block_ids(req_id)):
+            if not self.is_recurrent(group_id):  # step s + 1 reads these
+                assert all(table[i] for i in needed_blocks(self.specs[group_id], computed + 1))
+        self.append(req_id, ids[1:2])  # step s + 1 reports
+        self.manager.settle(req_id, computed + 2)
+        self.record_computed(req_id, computed + 1, computed + 2, second.new_block_ids)
+        event("two decode steps in flight")
 
     @precondition(lambda self: any(self.manager.is_running(r)
                                    for r in self.manager.request_ids))
@@ -389,14 +488,15 @@ class ManagerMachine(RuleBasedStateMachine):
         req_id = running[pick % len(running)]
         computed = self.manager.num_computed_tokens(req_id)
         known = self.manager.num_tokens(req_id)
-        keep = max(computed + min(self.lookahead, 1), self.prompt_len[req_id], known - cut)
+        keep = max(computed + min(self.lookahead, 1), self.prompt_len[req_id], known - cut,
+                   self.written_to.get(req_id, 0) + self.lookahead)
         if keep > known:
             return
         before = self.tokens(req_id)
         self.manager.truncate_tokens(req_id, keep)
         assert self.tokens(req_id) == before[:keep]
         if more:
-            self.manager.append_token_ids(req_id, more)
+            self.append(req_id, more)
         if keep < known:
             event("tail truncated")
 
@@ -422,6 +522,7 @@ class ManagerMachine(RuleBasedStateMachine):
         req_id = running[pick % len(running)]
         managers = self.manager.coordinator.managers
         tables = [list(m.tables[req_id]) for m in managers]
+        self.written_to.pop(req_id, None)
         if remove:
             self.manager.remove_request(req_id)
         else:
@@ -599,8 +700,9 @@ class ManagerMachine(RuleBasedStateMachine):
                     self.check_recurrent_table(req_id, group_id, tokens, computed, view)
                     continue
                 for idx, block in enumerate(managers[group_id].tables[req_id]):
-                    if block.block_hash is not None:
-                        assert (idx + 1) * spec.block_size <= computed, (
+                    if block.block_hash is not None:  # (KV a rolled-back step wrote too)
+                        assert (idx + 1) * spec.block_size <= max(
+                            computed, self.written_to.get(req_id, 0)), (
                             f"{req_id} group {group_id}: block {idx} hashed before it is full")
                         assert block.block_hash == view[idx] and block.hash_group_id == group_id
                 for idx in needed_blocks(spec, computed):

@@ -199,3 +199,19 @@ def test_truncation_drops_an_engine_hash_whose_lookahead_token_went() -> None:
                       external_hashes=True)
         assert m.find_longest_hit(str(tokens)).num_tokens == hit
     m.check_invariants()
+
+
+def test_an_engine_hash_arriving_after_its_block_was_computed_caches_it() -> None:
+    """Block [0, 4) is computed before the engine's hash of it arrives: the next step
+    caches it (it waited for the next block boundary the computed tokens crossed, so a
+    request finishing first never cached it)."""
+    m = full_manager()
+    m.add_request("a", [1, 2, 3, 4], block_hashes=[], external_hashes=True)
+    assert m.allocate_slots("a", 4) is not None
+    m.append_token_ids("a", [5], block_hashes=[BlockHash(b"h0")])
+    assert m.allocate_slots("a", 1) is not None
+    assert m.group_tables(0).num_cached_blocks("a") == 1
+    m.remove_request("a")
+    m.add_request("b", [1, 2, 3, 4, 6], block_hashes=[BlockHash(b"h0")],
+                  external_hashes=True)
+    assert m.find_longest_hit("b").num_tokens == 4
