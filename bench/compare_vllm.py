@@ -445,15 +445,17 @@ def compare_through_scheduler(trace: Trace, config: CacheConfig, policies: list[
             print(f"{policy}: refused: {err}")
             rows.append({"policy": policy, "refused": str(err)})
             continue
-        mismatches = sum(theirs.first_hits[r] != ours.first_hits.get(r)
-                         for r in theirs.first_hits)
+        mismatched = [{"request": r, "vllm": hit, "hybridkv": ours.first_hits.get(r)}
+                      for r, hit in theirs.first_hits.items() if hit != ours.first_hits.get(r)]
+        mismatches = len(mismatched)
         same_tables, detail = tables_match(ours, theirs)
         prompt = sum(r.input_length for r in trace.requests)
         row = {"policy": policy, "requests": len(theirs.first_hits),
                "hit_tokens_vllm": sum(theirs.first_hits.values()),
                "hit_tokens_hybridkv": sum(ours.first_hits.values()),
                "prompt_tokens": prompt, "mismatches": mismatches,
-               "tables": detail, "tables_identical": same_tables,
+               "first_mismatches": mismatched[:MAX_LISTED_MISMATCHES], "tables": detail,
+               "tables_identical": same_tables,
                "steps": [theirs.steps, ours.steps],
                "manager_seconds_vllm": round(theirs.manager_seconds, 3),
                "manager_seconds_hybridkv": round(ours.manager_seconds, 3)}
@@ -464,6 +466,9 @@ def compare_through_scheduler(trace: Trace, config: CacheConfig, policies: list[
               f"vllm {theirs.manager_seconds:.2f} / hybridkv {ours.manager_seconds:.2f} "
               f"(ratio {ours.manager_seconds / max(theirs.manager_seconds, 1e-9):.2f})",
               flush=True)
+        for mm in row["first_mismatches"]:  # in admission order: the first one is the lead
+            print(f"    {mm['request']}: first-admission hit tokens vllm {mm['vllm']} / "
+                  f"hybridkv {mm['hybridkv']}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"mode": "through-vllm-scheduler",

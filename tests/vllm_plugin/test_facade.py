@@ -52,13 +52,20 @@ def make_request(req_id: str, tokens: list[int]) -> Any:
                    block_hasher=get_request_block_hasher(BLOCK, sha256))
 
 
-def run_scenario(manager: Any) -> list[Any]:
-    """Two requests sharing a 16-token prefix, driven as vLLM's scheduler drives its
-    manager (synchronous steps); returns what the Scheduler would see."""
+TWO_REQUESTS = (("a", [90, 91, 92, 93, 94]), ("b", [70, 71, 72]))
+
+
+def run_scenario(manager: Any, suffixes: tuple[tuple[str, list[int]], ...] = TWO_REQUESTS,
+                 ) -> list[Any]:
+    """Requests sharing a 16-token prefix (default: two), one after the other, driven as
+    vLLM's scheduler drives its manager (synchronous steps); returns what the Scheduler
+    would see."""
     seen: list[Any] = []
-    for req_id, suffix in (("a", [90, 91, 92, 93, 94]), ("b", [70, 71, 72])):
+    for req_id, suffix in suffixes:
         request = make_request(req_id, list(range(16)) + suffix)
-        blocks, hit, _ = manager.get_computed_blocks(request)
+        blocks, hit, junction = manager.get_computed_blocks(request)
+        request.shared_prefix_boundary = junction  # as vLLM's Scheduler stores it
+        seen.append(junction)
         new = manager.allocate_slots(request, request.num_tokens - hit, hit, blocks)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = request.num_tokens
@@ -82,7 +89,24 @@ def test_the_facade_answers_as_vllms_manager(retention: int | None, policy: str,
                                              hit: int) -> None:
     theirs = run_scenario(KVCacheManager(**manager_kwargs(retention)))
     ours = run_scenario(HybridKVCacheManager(**manager_kwargs(retention), policy=policy))
-    assert theirs[5][0] == hit and ours == theirs
+    assert theirs[7][0] == hit and ours == theirs
+
+
+@pytest.mark.parametrize(("retention", "policy"), [(0, "latest"), (32, "interval:32")])
+def test_a_missed_lookups_junction_is_retained_for_the_next_request(
+        retention: int | None, policy: str) -> None:
+    """Under sparse retention ``b`` (28 tokens) misses, as the window group kept only
+    ``a``'s tail at its prompt end, but full attention matched 16 tokens: vLLM keeps the
+    window blocks ending at that junction when ``b`` runs (``b``'s own prompt-end tail
+    ends at 24), so ``c`` hits 16 tokens. The facade used to drop a 0-token hit at
+    admission, and with it the junction (``c`` then hit 0)."""
+    three = (TWO_REQUESTS[0], ("b", list(range(70, 82))), ("c", [50, 51, 52]))
+    theirs = run_scenario(KVCacheManager(**manager_kwargs(retention)), three)
+    ours = run_scenario(HybridKVCacheManager(**manager_kwargs(retention), policy=policy),
+                        three)
+    b_junction, b_hit, c_hit = theirs[6], theirs[7][0], theirs[13][0]
+    assert (b_junction, b_hit, c_hit) == (16, 0, 16)
+    assert ours == theirs
 
 
 def test_the_constructor_and_methods_track_vllms_signatures() -> None:

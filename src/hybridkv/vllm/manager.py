@@ -213,9 +213,13 @@ class HybridKVCacheManager:
         return self.blocks.of_ids(allocation.new_block_ids)
 
     def _admission_hit(self, req_id: str, num_new_computed_tokens: int) -> PrefixHit | None:
+        """The lookup's own hit for this admission. A miss is passed on too: it still
+        carries the junction (vLLM's ``shared_prefix_boundary``, e.g. full attention
+        matched 2,560 tokens, the window groups none) that this admission must retain
+        for the next request with that prefix (``latest`` / ``interval:N``)."""
         hit = self._hits.get(req_id)
         if num_new_computed_tokens == 0:
-            return None
+            return hit if hit is not None and hit.num_tokens == 0 else None
         if hit is None or hit.num_tokens != num_new_computed_tokens:
             raise UnsupportedFeature("a prefix hit other than the lookup's own "
                                      "(truncated or connector-supplied)")
