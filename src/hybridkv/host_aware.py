@@ -147,7 +147,11 @@ class LandingTier(HostTier):
         self.counters.refused_blocks += offered - kept
 
     def touch(self, hashes: Sequence[BlockHash], hit: HostHit) -> None:
-        key = hashes[hit.num_tokens // self.shape.hash_block_size - 1]
+        """The point the hit landed on goes last in the LRU order: at ``num_tokens``, or
+        for a bridge hit at the chain's end it was read to (``full_attention_tokens``,
+        where its bridge point sits)."""
+        point = hit.full_attention_tokens or hit.num_tokens
+        key = hashes[point // self.shape.hash_block_size - 1]
         if key in self._points:
             self._points.move_to_end(key)
 
