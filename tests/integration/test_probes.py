@@ -600,6 +600,20 @@ def test_sweep_prints_its_table(inputs: Path, out: Path,
     assert "dense" in table and "latest" in table and "%" in table
 
 
+@pytest.mark.parametrize("command", ["check-trace", "replay"])
+def test_closed_stdout_is_one_line_exit_2(command: str, inputs: Path,
+                                          monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Started with ``>&-`` (Python then has ``sys.stdout = None``): the report would go
+    nowhere and the exit status say 0."""
+    argv = {"check-trace": ["check-trace", f"{inputs}/good.jsonl"], "replay": REPLAY}[command]
+    monkeypatch.setattr("sys.stdout", None)
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"hybridkv {command}: error: stdout='closed' is invalid"), err
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     outcome = run_cli(["--version"], capsys)
     assert outcome.code == 0
