@@ -100,6 +100,7 @@ def _write_inputs(d: Path) -> None:
         "model-bigint.toml": "block_size = " + "9" * 5000 + "\n",
         "model-unknown.toml": TINY_MODEL + "\nbogus = 1\n",
         "model-zero.toml": TINY_MODEL.replace("block_size = 16", "block_size = 0"),
+        "model-bs24.toml": TINY_MODEL.replace("window = 32", "window = 32\nblock_size = 24"),
         "model-kind.toml": TINY_MODEL.replace('"full_attention"', '"mamba"'),
         "model-windowless.toml": TINY_MODEL.replace("window = 32\n", ""),
         "file.txt": "a regular file\n",
@@ -329,6 +330,18 @@ PROBES: list[tuple[str, list[str], int, str]] = [
     ("model-bigint", [*REPLAY, "--model", "{d}/model-bigint.toml"], 2, "4300 digits"),
     ("model-unknown-key", [*REPLAY, "--model", "{d}/model-unknown.toml"], 2, "unknown key"),
     ("model-zero-block", [*REPLAY, "--model", "{d}/model-zero.toml"], 2, "block_size"),
+    # core's interval:32768 is no multiple of a 16 + 24-token model's 48-token hit unit
+    ("model-core-misaligned", [*REPLAY, "--model", "{d}/model-bs24.toml", "--policy", "core"],
+     2, "--policy='interval:32768' is invalid: must be a positive multiple of the hit "
+        "alignment 48 tokens (lcm of the groups' block sizes), e.g. 32736; --policy core "
+        "includes it"),
+    ("model-policy-misaligned", [*REPLAY, "--model", "{d}/model-bs24.toml", "--policy",
+                                 "latest,interval:100"], 2, "--policy='interval:100' is invalid"),
+    ("sweep-core-misaligned", [*SWEEP, "--num-blocks", "200", "--model", "{d}/model-bs24.toml",
+                               "--policy", "core"], 2, "--policy core includes it"),
+    ("cluster-policy-misaligned", ["cluster", *QUICK, "--num-blocks", "200", "--model",
+                                   "{d}/model-bs24.toml", "--policy", "interval:32768"], 2,
+     "--policy='interval:32768' is invalid"),
     ("model-bad-kind", [*REPLAY, "--model", "{d}/model-kind.toml"], 2, "kind"),
     ("model-no-window", [*REPLAY, "--model", "{d}/model-windowless.toml"], 2, "window"),
     # -- pools: too small for a request (named, with the blocks it needs), too big for RAM
