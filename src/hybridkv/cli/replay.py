@@ -128,7 +128,7 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
     observing = open_observers(
         events=getattr(args, "events", None), events_replay=getattr(args, "events_replay", None),
         metrics=metrics, model_name=shape.name, num_runs=len(policies) * len(admissions),
-        jobs=jobs)
+        jobs=jobs, linger_seconds=getattr(args, "linger_seconds", 0.0))
     try:
         settings = replace(settings, observers=observing.observers)
         limits, runs = run_policies(source, config, policies, settings, jobs=jobs,
