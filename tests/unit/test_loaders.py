@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import gzip
 import json
+import tracemalloc
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from hybridkv import TraceFormatError
-from hybridkv.traces.loaders import detect_format, dump_native, load_trace
+from hybridkv.traces import loaders
+from hybridkv.traces.loaders import BYTES_PER_TRACE_BYTE, detect_format, dump_native, load_trace
 from hybridkv.traces.loaders.ragpulse import COMPONENTS, content_token_range
 from hybridkv.traces.trace import FILL_TOKEN_BASE, Trace, TraceRequest, expand_prompt
 from hybridkv.traces.workloads import agentic
@@ -55,6 +57,41 @@ def test_mooncake_fields_and_expansion(tmp_path: Path) -> None:
     assert a[512] == 512 and b[512] == 2 * 512      # blocks 1 and 2 differ
     assert len(b) == 600 and b[-1] == 2 * 512 + 87
     assert load_trace(path, limit=2).requests == trace.requests[:2]
+
+
+@pytest.mark.parametrize("line", [
+    {"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [7]},  # tiny
+    {"timestamp": 0, "input_length": 40_000, "output_length": 9, "hash_ids": list(range(79))},
+    {"tokens": [1], "output_length": 1},  # the smallest native line
+    {"tokens": [1, 2, 3], "output_length": 1},
+])
+def test_trace_memory_constant_is_an_upper_bound(tmp_path: Path, line: dict[str, object],
+                                                 ) -> None:
+    """``BYTES_PER_TRACE_BYTE`` bounds what a loaded trace holds per byte of its file
+    (peak, ``tracemalloc``), so ``check_trace_fits`` never lets a trace through that
+    would not fit; the lines vary in id, as a real trace's do."""
+    key = "hash_ids" if "hash_ids" in line else "tokens"
+    ids = line[key]
+    assert isinstance(ids, list)
+    lines = [{**line, key: [100 * i + k for k in ids]} for i in range(20_000)]
+    path = write_lines(tmp_path / "t.jsonl", lines)
+    tracemalloc.start()
+    trace = load_trace(path)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(trace) == 20_000
+    assert peak <= path.stat().st_size * BYTES_PER_TRACE_BYTE
+
+
+def test_a_trace_too_big_for_memory_is_refused(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused before it is read, naming the sizes and --limit; with --limit it loads."""
+    path = write_lines(tmp_path / "t.jsonl", MOONCAKE)
+    monkeypatch.setattr(loaders, "available_memory_bytes", lambda: 1024)
+    with pytest.raises(TraceFormatError, match=r"of host memory, but 1.0 KiB are available; "
+                       r"pass --limit N"):
+        load_trace(path)
+    assert len(load_trace(path, limit=2)) == 2
 
 
 def test_a_byte_order_mark_is_not_content(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Final, Literal
 
 from hybridkv.errors import TraceFormatError
+from hybridkv.limits import available_memory_bytes, format_bytes
 from hybridkv.traces.loaders.fields import read_first_object, require_existing
 from hybridkv.traces.loaders.mooncake import load_mooncake
 from hybridkv.traces.loaders.native import dump_native, is_native_object, load_native
@@ -67,12 +68,51 @@ def load_trace(path: str | Path, *, limit: int | None = None,
         raise TraceFormatError(str(trace_path), None, "format",
                                f"unknown format {chosen!r}; choose one of {sorted(LOADERS)}")
     require_existing(trace_path)
+    if limit is None:
+        check_trace_fits(trace_path)
     try:
         return LOADERS[chosen](trace_path, limit=limit)
     except OSError as err:  # an unreadable file or directory inside the trace
         raise TraceFormatError(err.filename or str(trace_path), None, "path",
                                f"cannot be read ({err.strerror}); check its permissions",
                                ) from err
+
+
+BYTES_PER_TRACE_BYTE: Final = 12
+"""Host memory a loaded trace holds per byte of its file, worst case, rounded up (peak with
+``tracemalloc``: 5.0 for the Mooncake trace, 5.5 for one-block Mooncake lines, 7.8 for
+RAGPulse's ``0_trace.jsonl``, 9.9 for one-token native lines; ``tests/unit/test_loaders.py``
+re-measures it)."""
+
+
+def check_trace_fits(path: Path, *, available: int | None = None) -> None:
+    """Refuse, before reading it, a trace file whose requests would not fit the host's
+    available memory (``hybridkv.limits``; a 10 GB file of one-block Mooncake lines is ~55 GB
+    of Python objects): the error names the sizes and ``--limit``. Directories (WEKA,
+    RAGPulse) are not checked.
+
+    >>> import tempfile
+    >>> trace = Path(tempfile.mkdtemp()) / "t.jsonl"
+    >>> _ = trace.write_text("x" * 2048)
+    >>> check_trace_fits(trace, available=1 << 20)
+    >>> check_trace_fits(trace, available=8 << 10)
+    Traceback (most recent call last):
+    ...
+    hybridkv.errors.TraceFormatError: ...: field 'file': is 2.0 KiB: loading it whole needs \
+~24.0 KiB of host memory, but 8.0 KiB are available; pass --limit N to load its first N \
+requests
+    """
+    if not path.is_file():
+        return
+    if available is None:
+        available = available_memory_bytes()
+    size = path.stat().st_size
+    if available is None or size * BYTES_PER_TRACE_BYTE <= available:
+        return
+    raise TraceFormatError(str(path), None, "file", f"is {format_bytes(size)}: loading it "
+                           f"whole needs ~{format_bytes(size * BYTES_PER_TRACE_BYTE)} of host "
+                           f"memory, but {format_bytes(available)} are available; pass "
+                           "--limit N to load its first N requests")
 
 
 def detect_format(path: Path) -> TraceFormat:
@@ -107,4 +147,5 @@ def detect_format(path: Path) -> TraceFormat:
                            "'tokens'/'token_ranges'/'block_ids' (native); pass format=")
 
 
-__all__ = ["LOADERS", "TraceFormat", "detect_format", "dump_native", "load_trace"]
+__all__ = ["BYTES_PER_TRACE_BYTE", "LOADERS", "TraceFormat", "check_trace_fits", "detect_format",
+           "dump_native", "load_trace"]
