@@ -45,8 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hybridkv.native
 from hybridkv.cache import Allocation, KVCacheManager, PrefixHit
+from hybridkv.cli.app import OneLineParser
+from hybridkv.cli.argtypes import non_empty_str, positive_int
+from hybridkv.cli.replay import parse_params
 from hybridkv.config import CacheConfig
-from hybridkv.models.shapes import load_model, num_blocks_for_memory, parse_size
+from hybridkv.errors import ConfigError, HybridKVError
+from hybridkv.models.shapes import ModelShape, load_model, num_blocks_for_memory, parse_size
+from hybridkv.policies import PolicySpec
 from hybridkv.sched.driver import Driver, OutputSampler
 from hybridkv.sched.scheduler import SchedRequest, Scheduler, StepPlan
 from hybridkv.traces.loaders import load_trace
@@ -326,30 +331,32 @@ def _print_row(row: dict[str, Any]) -> None:
               f"hybridkv {mm['hybridkv']} vllm {mm['vllm']}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="compare_vllm.py", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--trace", help="trace file or directory")
-    source.add_argument("--workload", default=None,
+    source.add_argument("--trace", type=non_empty_str, help="trace file or directory")
+    source.add_argument("--workload", default=None, type=non_empty_str,
                         help="a named workload instead of a trace (hybridkv replay's names)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="workload parameter (repeatable), as hybridkv replay --set")
-    parser.add_argument("--model", required=True, help="preset name or model .toml")
+    parser.add_argument("--model", required=True, type=non_empty_str,
+                        help="preset name or model .toml")
     sizing = parser.add_mutually_exclusive_group()
-    sizing.add_argument("--num-blocks", type=int,
+    sizing.add_argument("--num-blocks", type=positive_int,
                         help="pool size including the null block (same for both)")
-    sizing.add_argument("--kv-memory",
+    sizing.add_argument("--kv-memory", type=non_empty_str,
                         help="KV memory budget (e.g. 40GiB): both sides plan their pool from "
                              "it and must get the same block count")
-    parser.add_argument("--check-kv-memory", default=None, metavar="SIZES",
+    parser.add_argument("--check-kv-memory", default=None, metavar="SIZES", type=non_empty_str,
                         help="comma-separated KV budgets (e.g. 20GiB,108GB): compare the block "
                              "counts both sides plan from them (block-outermost models: vLLM's "
                              "own grouping of the real specs); alone, only this check runs")
-    parser.add_argument("--policy", default="prepend,latest,interval:32768",
+    parser.add_argument("--policy", default="prepend,latest,interval:32768", type=non_empty_str,
                         help="comma-separated hybridkv policies")
-    parser.add_argument("--limit", type=int, default=None, help="first N requests only")
-    parser.add_argument("--max-running", type=int, default=16)
-    parser.add_argument("--chunk-size", type=int, default=8192)
+    parser.add_argument("--limit", type=positive_int, default=None,
+                        help="first N requests only")
+    parser.add_argument("--max-running", type=positive_int, default=16)
+    parser.add_argument("--chunk-size", type=positive_int, default=8192)
     parser.add_argument("--no-admission-gate", action="store_true",
                         help="admit on the first chunk only (vLLM full_sequence_must_fit=False): "
                              "over-admits, so preemption and re-admission get exercised")
@@ -363,33 +370,75 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="manager seconds as wall time (default) or CPU time of the "
                              "thread inside the calls (both sides alike; robust to other "
                              "jobs on the machine)")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--json", type=non_empty_str, default=None,
+                        help="write the results here")
     parser.add_argument("--through-vllm-scheduler", action="store_true",
                         help="vLLM's own Scheduler drives vLLM's manager and hybridkv's "
                              "facade (hybridkv.vllm); compares hits and block tables")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Exit 0 / 1 as the module says; 2 with one line on stderr for bad input (an option,
+    the trace, the model, the output path) or a missing vLLM, checked before vLLM runs."""
+    parser = _parser()
     args = parser.parse_args(argv)
     try:
-        import vllm
-    except ImportError as err:
-        print(f"vLLM is not importable ({err}); run bench/setup_vllm.sh and use its python",
-              file=sys.stderr)
+        shape, trace = _check_inputs(args, parser)
+        try:
+            import vllm
+        except ImportError as err:
+            print(f"vLLM is not importable ({err}); run bench/setup_vllm.sh and use its "
+                  "python", file=sys.stderr)
+            return 2
+        return _compare(args, shape, trace, vllm.__version__)
+    except HybridKVError as err:
+        print(f"compare_vllm.py: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
-    failed_blocks = False
-    if args.check_kv_memory:
-        failed_blocks = check_block_counts(args)
-        if args.trace is None and args.workload is None:
-            return 1 if failed_blocks else 0
+
+
+def _check_inputs(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                  ) -> tuple[ModelShape, Trace | None]:
+    """Every option checked and the model and trace loaded (``None``: ``--check-kv-memory``
+    alone), so that bad input fails in a line before vLLM is imported."""
+    if args.json is not None:  # its directories are created when the first row is written
+        args.json = Path(args.json)
+        if args.json.is_dir() or str(args.json).endswith("/"):
+            raise ConfigError("--json", str(args.json), "names a directory; name a file")
+    for policy in args.policy.split(","):
+        if policy.strip():
+            PolicySpec.parse(policy.strip())
+    shape = load_model(args.model)
+    for flag, sizes in (("--kv-memory", args.kv_memory), ("--check-kv-memory",
+                                                           args.check_kv_memory)):
+        for budget in (sizes.split(",") if sizes else ()):
+            try:
+                parse_size(budget.strip())
+            except ConfigError as err:
+                raise ConfigError(flag, budget, err.fix) from err
+    if args.check_kv_memory and args.trace is None and args.workload is None:
+        return shape, None
     if (args.trace is None and args.workload is None) or (
             args.num_blocks is None and args.kv_memory is None):
         parser.error("--trace (or --workload) and --num-blocks (or --kv-memory) are required "
                      "unless --check-kv-memory runs alone")
-    if args.workload is not None:
-        params = dict(item.split("=", 1) for item in args.set)
-        trace = make_workload(args.workload, **params)
-        args.trace = f"workload {args.workload} {' '.join(args.set)}".strip()
-    else:
-        trace = load_trace(args.trace, limit=args.limit)
-    shape = load_model(args.model)
+    if args.workload is None:
+        return shape, load_trace(args.trace, limit=args.limit)
+    if args.limit is not None:
+        raise ConfigError("--limit", args.limit, "applies to --trace; a workload's size is "
+                          "its --set parameters")
+    trace = make_workload(args.workload, **parse_params(args.set))
+    args.trace = f"workload {args.workload} {' '.join(args.set)}".strip()
+    return shape, trace
+
+
+def _compare(args: argparse.Namespace, shape: ModelShape, trace: Trace | None,
+             vllm_version: str) -> int:
+    failed_blocks = False
+    if args.check_kv_memory:
+        failed_blocks = check_block_counts(args)
+    if trace is None:
+        return 1 if failed_blocks else 0
     if args.kv_memory is not None:
         from vllm_adapter import vllm_num_blocks_for_memory
 
@@ -409,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     eagle = "eagle drop mode" if args.eagle_drop else \
         "eagle lookahead hashes" if args.eagle else "no eagle"
     print(f"trace {trace.name} ({len(trace)} requests), model {args.model}, "
-          f"{args.num_blocks} blocks, {eagle}, vllm {vllm.__version__}, "
+          f"{args.num_blocks} blocks, {eagle}, vllm {vllm_version}, "
           f"hybridkv core {_core()}, {args.clock} clock", flush=True)
     if args.through_vllm_scheduler:
         return compare_through_scheduler(trace, config, policies, args)
@@ -418,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(compare_policy(trace, config, policy, args))
         _print_row(rows[-1])
         if args.json is not None:
-            _write_json(args, trace, rows, vllm.__version__)
+            _write_json(args, trace, rows, vllm_version)
     return 1 if failed_blocks or any(row["mismatches"] or not row["lookup_sequences_identical"]
                                      for row in rows) else 0
 

@@ -203,13 +203,13 @@ class StagedOutputs:
     ``commit``; used as a context manager that removes whatever was not committed."""
 
     def __init__(self) -> None:
-        self._staged: list[tuple[Path, Path]] = []
-        """(temporary file, destination) pairs, in staging order."""
+        self._staged: list[tuple[str, Path, Path]] = []
+        """(flag, temporary file, destination), in staging order."""
 
     def stage(self, flag: str, path: Path, write: Callable[[Path], object]) -> None:
         """Call ``write(temporary_path)``; an ``OSError`` becomes ``OutputPathError``."""
         temporary = _temporary_file(flag, path)
-        self._staged.append((temporary, path))
+        self._staged.append((flag, temporary, path))
         try:
             os.chmod(temporary, 0o666 & ~_umask())  # mkstemp's 0600 → what open() would give
             write(temporary)
@@ -222,18 +222,18 @@ class StagedOutputs:
     def commit(self) -> None:
         """Rename every staged file onto its destination."""
         while self._staged:
-            temporary, destination = self._staged[0]
+            flag, temporary, destination = self._staged[0]
             try:
                 os.replace(temporary, destination)
             except OSError as err:
-                raise OutputPathError(str(destination), destination,
+                raise OutputPathError(flag, destination,
                                       f"renaming failed ({err.strerror})",
                                       "choose another path") from err
             self._staged.pop(0)
 
     def discard(self) -> None:
         """Remove every staged, uncommitted temporary file."""
-        for temporary, _ in self._staged:
+        for _, temporary, _ in self._staged:
             with contextlib.suppress(OSError):
                 temporary.unlink()
         self._staged.clear()

@@ -363,6 +363,11 @@ choose from lru, scan, chain, session, predict, flops
         checkpoints = [parse_checkpoint_policy(m) for m in modifiers if m.startswith("ckpt:")]
         eviction = parse_eviction([m for m in modifiers
                                    if m != "recompute" and not m.startswith("ckpt:")])
+        repeated = [m for i, m in enumerate(modifiers)
+                    if m in modifiers[:i] and not m.startswith("ckpt:")]
+        if repeated:  # a typo of another modifier, not a stronger setting
+            raise ConfigError("policy", repeated[0], "is given twice; name each modifier "
+                              "once")
         return cls(policy.name, None if eviction == EvictionOptions() else eviction,
                    "recompute" in modifiers,
                    checkpoints[-1] if checkpoints else CHUNK_CHECKPOINTS)

@@ -92,7 +92,10 @@ def test_subscriber_fills_a_slow_join_from_the_replay_buffer() -> None:
     assert got == list(range(len(got))) and len(got) >= 5  # every batch once, in order
 
 
-@pytest.mark.parametrize("endpoint", ["udp://x:1", "tcp://", "5557"])
+@pytest.mark.parametrize("endpoint", ["udp://x:1", "tcp://", "5557",
+                                      # ZMQ binds 99999 as port 34463; no port at all
+                                      "tcp://*:99999", "tcp://*:-1", "tcp://127.0.0.1",
+                                      "tcp://*:5557x"])
 def test_bad_endpoints_are_one_line_errors(endpoint: str) -> None:
     with pytest.raises(ConfigError, match="--events"):
         ZmqEventPublisher(endpoint)
@@ -175,10 +178,16 @@ def test_cli_metrics_file_matches_the_json_report(tmp_path: Path, tiny_model: Pa
     (["--events-replay", "tcp://*:5558"], "--events-replay"),
     (["--events", "tcp://*:0", "--jobs", "2"], "--jobs"),
     (["--events", "tcp://*:0", "--policy", "prepend,latest"], "--events"),
+    (["--metrics", "-1"], "--metrics='-1' is invalid: a port must be in 1-65535"),
+    (["--linger-seconds", "5"], "--linger-seconds=5.0 is invalid: keeps --events"),
+    (["--linger-seconds", "5", "--metrics", "{tmp}/m.prom"], "--linger-seconds=5.0"),
+    (["--events", "tcp://*:70000"], "--events='tcp://*:70000' is invalid: the port"),
 ])
 def test_bad_observer_flags_are_one_line_exit_2(
-        flags: list[str], needle: str, tiny_model: Path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        flags: list[str], needle: str, tiny_model: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)  # a flag taken for a relative path writes nothing here
+    flags = [flag.replace("{tmp}", str(tmp_path)) for flag in flags]
     argv = ["replay", *AGENTIC, "--model", str(tiny_model), "--policy", "prepend", *flags]
     if "--policy" in flags:
         argv = ["replay", *AGENTIC, "--model", str(tiny_model), *flags]

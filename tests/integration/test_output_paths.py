@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from hybridkv.cli import main
+from hybridkv.errors import OutputPathError
+from hybridkv.outputs import StagedOutputs
 
 QUICK = ["--workload", "aba", "--set", "prompt_tokens=64", "--set", "output_tokens=2",
          "--policy", "latest", "--quiet"]
@@ -73,3 +75,17 @@ def test_a_link_to_a_writable_file_still_works(tmp_path: Path,
     assert main(["replay", *QUICK, "--json", str(tmp_path / "link.json")]) == 0, \
         capsys.readouterr().err
     assert (tmp_path / "link.json").read_text().startswith("{")
+
+
+@pytest.mark.parametrize("flag", ["--json", "--csv", "--plot"])
+def test_a_failed_rename_names_the_flag(flag: str, tmp_path: Path) -> None:
+    """A destination that became a directory while the command ran: the error names the
+    option the user typed (it used to name the path twice), and the staged file is gone."""
+    destination = tmp_path / "out.json"
+    with StagedOutputs() as staged:
+        staged.stage(flag, destination, lambda tmp: tmp.write_text("{}"))
+        destination.mkdir()
+        with pytest.raises(OutputPathError) as caught:
+            staged.commit()
+    assert str(caught.value).startswith(f"{flag} '{destination}': renaming failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]

@@ -100,6 +100,7 @@ def _write_inputs(d: Path) -> None:
         "model-bigint.toml": "block_size = " + "9" * 5000 + "\n",
         "model-unknown.toml": TINY_MODEL + "\nbogus = 1\n",
         "model-zero.toml": TINY_MODEL.replace("block_size = 16", "block_size = 0"),
+        "model-bs24.toml": TINY_MODEL.replace("window = 32", "window = 32\nblock_size = 24"),
         "model-kind.toml": TINY_MODEL.replace('"full_attention"', '"mamba"'),
         "model-windowless.toml": TINY_MODEL.replace("window = 32\n", ""),
         "file.txt": "a regular file\n",
@@ -329,6 +330,18 @@ PROBES: list[tuple[str, list[str], int, str]] = [
     ("model-bigint", [*REPLAY, "--model", "{d}/model-bigint.toml"], 2, "4300 digits"),
     ("model-unknown-key", [*REPLAY, "--model", "{d}/model-unknown.toml"], 2, "unknown key"),
     ("model-zero-block", [*REPLAY, "--model", "{d}/model-zero.toml"], 2, "block_size"),
+    # core's interval:32768 is no multiple of a 16 + 24-token model's 48-token hit unit
+    ("model-core-misaligned", [*REPLAY, "--model", "{d}/model-bs24.toml", "--policy", "core"],
+     2, "--policy='interval:32768' is invalid: must be a positive multiple of the hit "
+        "alignment 48 tokens (lcm of the groups' block sizes), e.g. 32736; --policy core "
+        "includes it"),
+    ("model-policy-misaligned", [*REPLAY, "--model", "{d}/model-bs24.toml", "--policy",
+                                 "latest,interval:100"], 2, "--policy='interval:100' is invalid"),
+    ("sweep-core-misaligned", [*SWEEP, "--num-blocks", "200", "--model", "{d}/model-bs24.toml",
+                               "--policy", "core"], 2, "--policy core includes it"),
+    ("cluster-policy-misaligned", ["cluster", *QUICK, "--num-blocks", "200", "--model",
+                                   "{d}/model-bs24.toml", "--policy", "interval:32768"], 2,
+     "--policy='interval:32768' is invalid"),
     ("model-bad-kind", [*REPLAY, "--model", "{d}/model-kind.toml"], 2, "kind"),
     ("model-no-window", [*REPLAY, "--model", "{d}/model-windowless.toml"], 2, "window"),
     # -- pools: too small for a request (named, with the blocks it needs), too big for RAM
@@ -404,6 +417,19 @@ PROBES: list[tuple[str, list[str], int, str]] = [
     ("verify-window-neg", ["verify", "--window", "-4"], 2, "--window"),
     ("verify-seed-neg", ["verify", "--seed", "-1"], 2, "--seed"),
     ("verify-policy-empty", ["verify", "--policy", ""], 2, "--policy"),
+    # options that would be ignored are refused, naming the option and the fix
+    ("verify-limit-without-trace", ["verify", "--limit", "5"], 2,
+     "--limit=5 is invalid: applies to --trace only"),
+    ("verify-max-tokens-without-trace", ["verify", "--trace-max-tokens", "64"], 2,
+     "--trace-max-tokens=64 is invalid: applies to --trace only"),
+    ("verify-workload-and-trace", ["verify", "--trace", "{d}/good.jsonl", "--workload",
+                                   "mixed"], 2, "--workload='mixed' is invalid: --trace"),
+    ("verify-hca-without-v4", ["verify", "--hca-ratio", "4"], 2,
+     "--hca-ratio=4 is invalid: applies to --pattern v4 only"),
+    ("verify-topk-without-v4", ["verify", "--pattern", "qwen3-next", "--index-topk", "2"], 2,
+     "--index-topk=2 is invalid: applies to --pattern v4 only"),
+    ("verify-chunk-without-llama4", ["verify", "--attention-chunk", "8"], 2,
+     "--attention-chunk=8 is invalid: applies to --pattern llama4 and mixed only"),
 ]
 
 
@@ -585,6 +611,20 @@ def test_sweep_prints_its_table(inputs: Path, out: Path,
     table = outcome.stdout
     assert "aba on tiny-hybrid" in table and "200" in table and "ceiling" in table
     assert "dense" in table and "latest" in table and "%" in table
+
+
+@pytest.mark.parametrize("command", ["check-trace", "replay"])
+def test_closed_stdout_is_one_line_exit_2(command: str, inputs: Path,
+                                          monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Started with ``>&-`` (Python then has ``sys.stdout = None``): the report would go
+    nowhere and the exit status say 0."""
+    argv = {"check-trace": ["check-trace", f"{inputs}/good.jsonl"], "replay": REPLAY}[command]
+    monkeypatch.setattr("sys.stdout", None)
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"hybridkv {command}: error: stdout='closed' is invalid"), err
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -327,7 +327,10 @@ def test_native_defaults(tmp_path: Path) -> None:
         ({"tokens": [1, "2"], "output_length": 1}, "tokens[1]"),
         ({"tokens": [FILL_TOKEN_BASE], "output_length": 1}, "tokens"),
         ({"block_ids": [1], "output_length": 1}, "block_size"),
-        ({"tokens": [1], "output_length": 2, "output_tokens": [5]}, "output_token_ids"),
+        # record checks name the file's keys (they said output_token_ids, input_length)
+        ({"tokens": [1], "output_length": 2, "output_tokens": [5]}, "output_tokens"),
+        ({"tokens": [], "output_length": 1}, "tokens"),
+        ({"block_ids": [], "block_size": 4, "output_length": 1}, "block_ids"),
         ({"token_ranges": [[5, 3]], "output_length": 1}, "token_ranges[0]"),
         ({"tokens": [1], "output_length": 1, "phase": -1}, "phase"),
         ({"hybridkv_trace": 1}, "hybridkv_trace"),

@@ -47,7 +47,7 @@ def test_retention_policy_is_built_fresh() -> None:
 
 
 @given(retention=st.sampled_from(RETENTIONS),
-       components=st.lists(st.sampled_from((*COMPONENTS, "lru")), max_size=4),
+       components=st.lists(st.sampled_from((*COMPONENTS, "lru")), max_size=4, unique=True),
        recompute=st.booleans(), checkpoints=st.lists(st.sampled_from(CHECKPOINTS), max_size=2),
        order=st.randoms(use_true_random=False))
 def test_round_trip(retention: str, components: list[str], recompute: bool,
@@ -98,6 +98,8 @@ def test_an_eviction_argument_applies_when_the_string_names_none() -> None:
                     "chain, session, predict, flops"),
     ("latest+", "policy='' is invalid: unknown eviction policy"),
     ("latest+ckpt:block+recompute+chain+x", "policy='x' is invalid: unknown eviction policy"),
+    ("latest+predict+predict", "policy='predict' is invalid: is given twice"),
+    ("latest+recompute+chain+ recompute", "policy='recompute' is invalid: is given twice"),
 ])
 def test_every_error_names_the_part(text: str, message: str) -> None:
     with pytest.raises(ConfigError) as caught:

@@ -57,6 +57,11 @@ def test_arrival_process_and_bad_input() -> None:
         arrival_times([None, 1.0])
     with pytest.raises(ConfigError, match="time_scale=0"):
         arrival_times([0.0], time_scale=0)
+    # arrival times that overflow to inf would make every latency nan: refused
+    with pytest.raises(ConfigError, match=r"--time-scale=1e\+300 is invalid: .*overflow"):
+        arrival_times([0.0, 1e300], time_scale=1e300)
+    with pytest.raises(ConfigError, match=r"--rate=5e-324 is invalid: .*overflow"):
+        arrival_times([None] * 3, rate=5e-324)
     with pytest.raises(ConfigError, match=r"slo='ttft=2,foo=1'.*ttft=SECONDS"):
         SLO.parse("ttft=2,foo=1")
     assert SLO.parse("tpot=40ms").tpot_s == pytest.approx(0.04)

@@ -296,6 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _sigterm_raises():
             args = parser.parse_args(argv)
             name = f"hybridkv {args.command}"
+            if sys.stdout is None:  # started with descriptor 1 closed (``>&-``)
+                raise ConfigError("stdout", "closed", "the report has nowhere to go; "
+                                  "redirect it to a file or /dev/null instead of closing it")
             console = _report_console()
             err_console = Console(stderr=True)
             commands: dict[str, Callable[[argparse.Namespace, Console, Console], int]] = {

@@ -30,10 +30,10 @@ from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
 from hybridkv.models.shapes import load_model
 from hybridkv.outputs import check_output_paths, plot_output, write_outputs
-from hybridkv.policies import PolicySpec
 from hybridkv.sched.admission import parse_admissions
 from hybridkv.sim.run import (
     DEFAULT_MODEL,
+    check_policies_fit,
     check_pool_holds_requests,
     parse_policies,
     pool_summary,
@@ -142,7 +142,7 @@ def cmd_cluster(args: argparse.Namespace, console: Console, err_console: Console
                               num_processes=args.instances)
     config = make_config(shape, num_blocks, args, replay_settings)
     policy = _single_policy(args.policy, source)
-    PolicySpec.parse(policy).retention_policy().validate(config.alignment_tokens, True)
+    check_policies_fit([policy], config.alignment_tokens, args.policy)
     admissions = parse_admissions(args.admission)
     if len(admissions) != 1:
         raise ConfigError("--admission", args.admission, "a cluster replay runs one "

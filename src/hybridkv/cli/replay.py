@@ -15,7 +15,6 @@ from hybridkv.config import CacheConfig
 from hybridkv.errors import ConfigError
 from hybridkv.models.shapes import ModelShape, load_model
 from hybridkv.outputs import check_output_paths, plot_output, write_outputs
-from hybridkv.policies import PolicySpec
 from hybridkv.sched.admission import parse_admissions
 from hybridkv.sim.host_replay import resolve_host_memory
 from hybridkv.sim.observe import open_observers, parse_metrics_target
@@ -23,6 +22,7 @@ from hybridkv.sim.replay import ReplaySettings
 from hybridkv.sim.report import Report, plot_policies, render_table
 from hybridkv.sim.run import (
     DEFAULT_MODEL,
+    check_policies_fit,
     check_pool_holds_requests,
     parse_policies,
     pool_summary,
@@ -123,14 +123,12 @@ def cmd_replay(args: argparse.Namespace, console: Console, err_console: Console)
         resolve_host_memory(args.host_memory, args.host_policy, config)))
     policies = parse_policies(args.policy, source.has_sessions)
     admissions = parse_admissions(args.admission)
-    for policy in policies:
-        PolicySpec.parse(policy).retention_policy().validate(
-            config.alignment_tokens, True)
+    check_policies_fit(policies, config.alignment_tokens, args.policy)
     check_pool_holds_requests(source, config)
     observing = open_observers(
         events=getattr(args, "events", None), events_replay=getattr(args, "events_replay", None),
         metrics=metrics, model_name=shape.name, num_runs=len(policies) * len(admissions),
-        jobs=jobs)
+        jobs=jobs, linger_seconds=getattr(args, "linger_seconds", 0.0))
     try:
         settings = replace(settings, observers=observing.observers)
         limits, runs = run_policies(source, config, policies, settings, jobs=jobs,

@@ -31,9 +31,14 @@ from hybridkv.cli.replay import resolve_settings, resolve_source
 from hybridkv.errors import ConfigError
 from hybridkv.models.shapes import ModelShape, load_model
 from hybridkv.outputs import check_output_paths, plot_output, write_outputs
-from hybridkv.policies import PolicySpec
 from hybridkv.sched.admission import parse_admissions
-from hybridkv.sim.run import DEFAULT_MODEL, parse_policies, progress_bar, resolve_pool
+from hybridkv.sim.run import (
+    DEFAULT_MODEL,
+    check_policies_fit,
+    parse_policies,
+    progress_bar,
+    resolve_pool,
+)
 from hybridkv.sweep.cells import (
     ROW_FIELDS,
     TIME_FIELDS,
@@ -156,8 +161,7 @@ def plan_cells(args: argparse.Namespace, sources: Sequence[tuple[str, Source, di
         policies = parse_policies(args.policy, source.has_sessions)
         for model_label, shape in models:
             alignment = shape.cache_config(2).alignment_tokens
-            for policy in policies:
-                PolicySpec.parse(policy).retention_policy().validate(alignment, True)
+            check_policies_fit(policies, alignment, args.policy)
             for num_blocks, memory in resolve_pools(args, shape, source, workers):
                 for admission in admissions:
                     for policy in policies:
@@ -184,7 +188,9 @@ def cmd_sweep(args: argparse.Namespace, console: Console, err_console: Console) 
     """Check everything, run the cells not stored yet, print the table, write the outputs
     (see the module docstring)."""
     outputs = _check_outputs(args)
-    store = None if args.results is None else ResultStore.open(args.results)
+    store = None if args.results is None else ResultStore.open(
+        args.results, outputs={"--csv": outputs.csv, "--json": outputs.json,
+                               "--plot": outputs.plot})
     ray_address: str | None = args.ray
     if ray_address is not None:
         from hybridkv.sweep.ray import check_reachable, require_ray

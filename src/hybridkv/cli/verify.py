@@ -35,16 +35,16 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``hybridkv verify``."""
     from hybridkv.engine.synthetic import ENGINE_WORKLOADS
 
-    parser.add_argument("--workload", choices=sorted(ENGINE_WORKLOADS), default="all",
+    parser.add_argument("--workload", choices=sorted(ENGINE_WORKLOADS), default=None,
                         help="synthetic workload with shared prefixes (default: all = "
                              "mixed, then bridges)")
     parser.add_argument("--trace", default=None, metavar="PATH", type=non_empty_str,
                         help="verify a slice of a real trace (any format replay reads) "
                              "instead of a synthetic workload")
-    parser.add_argument("--limit", type=positive_int, default=24,
+    parser.add_argument("--limit", type=positive_int, default=None,
                         help="with --trace: its first N requests (default 24)")
     parser.add_argument("--trace-max-tokens", type=positive_int,
-                        default=DEFAULT_TRACE_MAX_TOKENS,
+                        default=None,
                         help="with --trace: keep every s-th prompt token so the longest "
                              f"prompt has at most this many (default {DEFAULT_TRACE_MAX_TOKENS})")
     parser.add_argument("--policy", default=None, type=non_empty_str,
@@ -78,16 +78,18 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=positive_int, default=8)
     parser.add_argument("--vocab", type=positive_int, default=97)
     parser.add_argument("--window", type=positive_int, default=12, help="sliding window (tokens)")
-    parser.add_argument("--attention-chunk", type=positive_int, default=16,
-                        help="chunk of chunked-local layers (tokens)")
-    parser.add_argument("--hca-ratio", type=int, default=16,
+    parser.add_argument("--attention-chunk", type=positive_int, default=None,
+                        help="chunk of chunked-local layers (tokens; --pattern llama4 "
+                             "and mixed; default 16)")
+    parser.add_argument("--hca-ratio", type=int, default=None,
                         help="--pattern v4: tokens per entry of the non-overlapping "
-                             "compressed layers (V4: 128)")
-    parser.add_argument("--compressed-block-size", type=int, default=32,
-                        help="--pattern v4: tokens per compressed-entries block (V4: 256)")
-    parser.add_argument("--index-topk", type=int, default=4,
+                             "compressed layers (V4: 128; default 16)")
+    parser.add_argument("--compressed-block-size", type=int, default=None,
+                        help="--pattern v4: tokens per compressed-entries block (V4: 256; "
+                             "default 32)")
+    parser.add_argument("--index-topk", type=int, default=None,
                         help="--pattern v4: entries a C4 layer's lightning indexer keeps per "
-                             "query (0: no indexer, read every completed entry)")
+                             "query (0: no indexer, read every completed entry; default 4)")
     parser.add_argument("--attention", choices=("reference", "sdpa"), default="reference",
                         help="attention path (reference: explicit masks)")
     parser.add_argument("--atol", type=non_negative_float, default=DEFAULT_ATOL,
@@ -175,7 +177,50 @@ _FLAG_FOR_FIELD = {
 _FIELD_PATTERN = re.compile(r"\b(" + "|".join(_FLAG_FOR_FIELD) + r")\b")
 
 
+_SCOPED_DEFAULTS: dict[str, tuple[str, object, str]] = {
+    "limit": ("--limit", 24, "trace"), "trace_max_tokens": (
+        "--trace-max-tokens", DEFAULT_TRACE_MAX_TOKENS, "trace"),
+    "workload": ("--workload", "all", "workload"),
+    "attention_chunk": ("--attention-chunk", 16, "llama4,mixed"),
+    "hca_ratio": ("--hca-ratio", 16, "v4"), "compressed_block_size": (
+        "--compressed-block-size", 32, "v4"), "index_topk": ("--index-topk", 4, "v4"),
+}
+"""Options that apply to one source or some patterns: attribute → (flag, default, where it
+applies: ``trace``, ``workload`` or the patterns)."""
+
+
+def _fill_scoped_defaults(args: argparse.Namespace) -> None:
+    """Refuse an option that would be ignored (``--limit`` without ``--trace``,
+    ``--hca-ratio`` with ``--pattern gemma3``, ``--workload`` with ``--trace``), then fill
+    in the defaults of those left out.
+
+    >>> ns = argparse.Namespace(trace=None, pattern="gemma3", limit=None,
+    ...     trace_max_tokens=None, workload=None, attention_chunk=None, hca_ratio=3,
+    ...     compressed_block_size=None, index_topk=None)
+    >>> _fill_scoped_defaults(ns)
+    Traceback (most recent call last):
+    ...
+    hybridkv.errors.ConfigError: --hca-ratio=3 is invalid: applies to --pattern v4 only; \
+drop it or add --pattern v4
+    """
+    for attribute, (flag, default, scope) in _SCOPED_DEFAULTS.items():
+        value = getattr(args, attribute)
+        if value is None:
+            setattr(args, attribute, default)
+            continue
+        if scope == "trace" and args.trace is None:
+            raise ConfigError(flag, value, "applies to --trace only; drop it or add --trace")
+        if scope == "workload" and args.trace is not None:
+            raise ConfigError(flag, value, "--trace replaces the synthetic workload; give "
+                              "one of them")
+        patterns = scope.split(",")
+        if scope not in ("trace", "workload") and args.pattern not in (*patterns, "all"):
+            raise ConfigError(flag, value, f"applies to --pattern {' and '.join(patterns)} "
+                              f"only; drop it or add --pattern {patterns[0]}")
+
+
 def _run_verify_command(args: argparse.Namespace) -> int:
+    _fill_scoped_defaults(args)
     try:
         import torch
 

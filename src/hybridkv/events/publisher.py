@@ -38,6 +38,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay's end-of-sequence marker (vLLM's ``ZmqEventPublisher.END_SEQ``)."""
 
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+MAX_TCP_PORT = 65535
 
 __all__ = ["END_SEQ", "ZmqEventPublisher", "check_endpoint", "is_bind_endpoint"]
 
@@ -52,10 +53,26 @@ def is_bind_endpoint(endpoint: str) -> bool:
 
 
 def check_endpoint(flag: str, endpoint: str) -> str:
-    """A ZMQ endpoint ``scheme://address`` with a known scheme, else a one-line error."""
+    """A ZMQ endpoint ``scheme://address`` with a known scheme, else a one-line error; a
+    ``tcp://`` one needs a port in 0–65535 or ``*`` (0 and ``*``: any free port). ZMQ itself
+    takes ``tcp://*:99999`` and binds port 34463 (99999 mod 65536).
+
+    >>> check_endpoint("--events", "tcp://*:99999")
+    Traceback (most recent call last):
+    ...
+    hybridkv.errors.ConfigError: --events='tcp://*:99999' is invalid: the port must be \
+0-65535 or '*', e.g. tcp://*:5557
+    """
     if not endpoint.startswith(ENDPOINT_SCHEMES) or endpoint.split("://", 1)[1] == "":
         raise ConfigError(flag, endpoint, "give a ZMQ endpoint such as tcp://*:5557 (bind) "
                           "or tcp://127.0.0.1:5557 (connect to a subscriber that binds)")
+    if endpoint.startswith("tcp://"):
+        _, colon, port = endpoint.removeprefix("tcp://").rpartition(":")
+        valid = port == "*" or (port.isascii() and port.isdigit() and len(port) <= 5
+                                and int(port) <= MAX_TCP_PORT)
+        if not colon or not valid:
+            raise ConfigError(flag, endpoint, "the port must be 0-65535 or '*', e.g. "
+                              "tcp://*:5557")
     return endpoint
 
 

@@ -39,7 +39,7 @@ def parse_metrics_target(text: str) -> int | Path:
     stripped = text.strip()
     if not stripped:
         raise ConfigError("--metrics", text, "give a TCP port (1-65535) or a file path")
-    if stripped.isdigit():
+    if stripped.lstrip("+-").isdigit():  # "-1" is a mistyped port, not a file name
         port = int(stripped[:6])
         if len(stripped) > 5 or not 1 <= port <= MAX_PORT:
             raise ConfigError("--metrics", text, "a port must be in 1-65535 (or give a path)")
@@ -109,11 +109,15 @@ class Observing:
 
 def open_observers(*, events: str | None, events_replay: str | None,
                    metrics: int | Path | None, model_name: str, num_runs: int,
-                   jobs: int) -> Observing:
+                   jobs: int, linger_seconds: float = 0.0) -> Observing:
     """Validate the flags and open the endpoints (one-line ``ConfigError`` otherwise)."""
     observing = Observing()
     if events is None and events_replay is not None:
         raise ConfigError("--events-replay", events_replay, "needs --events ENDPOINT too")
+    if linger_seconds > 0 and events is None and not isinstance(metrics, int):
+        raise ConfigError("--linger-seconds", linger_seconds, "keeps --events / "
+                          "--events-replay or a --metrics PORT up after the report: give "
+                          "one of them or drop it")
     if events is None and metrics is None:
         return observing
     flag = "--events" if events is not None else "--metrics"

@@ -90,6 +90,27 @@ def parse_policies(text: str, has_sessions: bool = False) -> list[str]:
     return list(dict.fromkeys(expanded))
 
 
+def check_policies_fit(policies: Sequence[str], alignment_tokens: int, typed: str) -> None:
+    """Check each policy's retention against a model's hit alignment before any replay; the
+    error names ``--policy`` and, for a policy that ``core`` or ``all`` brought in, says so.
+
+    >>> check_policies_fit(["latest", "interval:32768"], 48, "core")
+    Traceback (most recent call last):
+    ...
+    hybridkv.errors.ConfigError: --policy='interval:32768' is invalid: must be a positive \
+multiple of the hit alignment 48 tokens (lcm of the groups' block sizes), e.g. 32736; \
+--policy core includes it: list the policies instead
+    """
+    named = {part.strip() for part in typed.split(",")}
+    for policy in policies:
+        try:
+            PolicySpec.parse(policy).retention_policy().validate(alignment_tokens, True)
+        except ConfigError as err:
+            origin = "" if policy in named else \
+                f"; --policy {typed} includes it: list the policies instead"
+            raise ConfigError("--policy", policy, f"{err.fix}{origin}") from err
+
+
 def _policy_error(name: str, err: ConfigError) -> ConfigError:
     known = ["core", "all", *CORE_POLICIES, *all_policies(True)]
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
@@ -437,7 +458,7 @@ def source_ceiling(source: Source, alignment_tokens: int) -> float:
 
 
 __all__ = [
-    "DEFAULT_MODEL", "Limits", "all_policies", "check_pool_holds_requests",
+    "DEFAULT_MODEL", "Limits", "all_policies", "check_policies_fit", "check_pool_holds_requests",
     "log_keys", "parse_policies", "policy_run", "pool_summary", "progress_bar", "replay_policy",
     "resolve_pool", "run_policies", "scenario_bounds", "source_ceiling",
 ]

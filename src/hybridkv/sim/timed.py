@@ -19,6 +19,7 @@ for its previous one (the scheduler's rule), so its TTFT includes that wait.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,10 +45,24 @@ def arrival_times(arrivals: Sequence[float | None], *, time_scale: float = 1.0,
             if index:
                 now += rng.expovariate(rate)
             out.append(now)
-        return out
+        return _finite(out, "--rate", rate)
     known = [float(a) for a in arrivals if a is not None]
     first = min(known, default=0.0)
-    return [(a - first) * time_scale for a in known]
+    return _finite([(a - first) * time_scale for a in known], "--time-scale", time_scale)
+
+
+def _finite(times_s: list[float], flag: str, value: float) -> list[float]:
+    """``times_s`` when its last (largest) arrival is a finite number of seconds; a
+    ``ConfigError`` naming ``flag`` otherwise (``1e300`` s of trace times ``--time-scale
+    1e300`` overflow to ``inf``, and every latency would be ``nan``).
+
+    >>> _finite([0.0, 2.0], "--time-scale", 2.0)
+    [0.0, 2.0]
+    """
+    if times_s and not math.isfinite(max(times_s)):
+        raise ConfigError(flag, value, "the arrival times overflow to infinity; use a value "
+                          "that keeps them finite (1 = as recorded)")
+    return times_s
 
 
 def percentile_s(values: Sequence[float], pct: float) -> float:

@@ -26,8 +26,8 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from hybridkv.errors import OutputPathError
-from hybridkv.outputs import StagedOutputs, path_mode, probe_directory
+from hybridkv.errors import ConfigError, OutputPathError
+from hybridkv.outputs import StagedOutputs, path_mode, probe_directory, resolved_path
 
 FLAG = "--results"
 
@@ -39,14 +39,21 @@ class ResultStore:
         self.directory = directory
 
     @classmethod
-    def open(cls, directory: Path | str) -> ResultStore:
+    def open(cls, directory: Path | str, *,
+             outputs: Mapping[str, Path | None] | None = None) -> ResultStore:
         """Use ``directory``, creating it (not its parents) when missing; raise
-        ``OutputPathError`` when it cannot hold files."""
+        ``OutputPathError`` when it cannot hold files, and ``ConfigError`` when one of the
+        ``outputs`` (flag → file) names it (its rename onto the directory would fail after
+        the whole sweep)."""
         text = str(directory)
         path = Path(text)
         if not text.strip():
             raise OutputPathError(FLAG, text, "the path is empty", "name a directory")
         mode = path_mode(FLAG, text, path, "it")
+        for flag, output in (outputs or {}).items():
+            if output is not None and resolved_path(flag, output) == resolved_path(FLAG, path):
+                raise ConfigError(flag, str(output), f"is the {FLAG} directory; name a file "
+                                  "outside it")
         if mode is not None and not stat.S_ISDIR(mode):
             raise OutputPathError(FLAG, text, "exists and is not a directory",
                                   "name a directory for the finished cells")

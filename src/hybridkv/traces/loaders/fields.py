@@ -16,7 +16,7 @@ import json
 import os
 import stat
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, TypeVar
@@ -49,13 +49,16 @@ class Where:
         return TraceFormatError(self.path, self.line, self.prefix + field, problem)
 
 
-def checked(where: Where, build: Callable[[], T]) -> T:
+def checked(where: Where, build: Callable[[], T], *,
+            keys: Mapping[str, str] | None = None) -> T:
     """Run ``build`` (a record constructor) and turn its ``ConfigError`` into a located
-    ``TraceFormatError``."""
+    ``TraceFormatError``; ``keys`` maps the record's field names to the trace's own keys
+    (``output_token_ids`` → ``output_tokens``), so the error names what the file says."""
     try:
         return build()
     except ConfigError as err:
-        raise where.error(err.field, f"{err.value!r} is invalid: {err.fix}") from err
+        field = (keys or {}).get(err.field, err.field)
+        raise where.error(field, f"{err.value!r} is invalid: {err.fix}") from err
 
 
 def require_existing(path: Path) -> None:

@@ -125,6 +125,9 @@ def _parse_request(obj: JsonObject, where: Where, index: int) -> TraceRequest:
         output_tokens = tuple(require_int_list(obj, "output_tokens", where,
                                                limit=FILL_TOKEN_BASE))
     request_id = optional_str(obj, "id", where) or f"req-{index}"
+    keys = {"output_token_ids": "output_tokens", "token_ids": "tokens",
+            "token_id_ranges": "token_ranges", "block_ids": "block_ids",
+            "input_length": "input_length" if input_length is not None else present[0]}
     return checked(where, lambda: TraceRequest(
         request_id=request_id,
         input_length=num_expanded if input_length is None else input_length,
@@ -138,7 +141,7 @@ def _parse_request(obj: JsonObject, where: Where, index: int) -> TraceRequest:
         phase=optional_int(obj, "phase", where) or 0,
         tag=optional_str(obj, "tag", where),
         token_id_ranges=ranges,
-    ))
+    ), keys=keys)
 
 
 def _parse_ranges(obj: JsonObject, where: Where) -> tuple[tuple[int, int], ...]:
