@@ -60,6 +60,11 @@ def test_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixtur
     (["--json", "{out}/same.png", "--plot", "{out}/same.png"], "same file as --json"),
     (["--num-blocks", "20"], "needs at least"),
     (["--instances", "3000"], "at most"),
+    # prefix routers' options without a prefix router would be ignored
+    (["--router", "round-robin,session", "--load-weight", "2"],
+     "--load-weight=2.0 is invalid: shapes the prefix routers only"),
+    (["--router", "least-loaded", "--bounded-load", "1.25"],
+     "--bounded-load=1.25 is invalid: shapes the prefix routers only"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(
         extra: list[str], fragment: str, tmp_path: Path,

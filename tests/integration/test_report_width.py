@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hybridkv.cli import main
-from hybridkv.cli.app import PIPED_WIDTH
+from hybridkv.cli.app import MIN_REPORT_WIDTH, PIPED_WIDTH
 
 WIDTHS = (80, 120, None)
 """Terminal widths tested; ``None`` = piped (no ``COLUMNS``: ``PIPED_WIDTH``)."""
@@ -101,17 +101,19 @@ def pct(rate: float | None) -> str:
     return "n/a" if rate is None else f"{100 * rate:.2f}%"
 
 
-@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("width", [*WIDTHS, 5, 30])
 def test_default_replay_report_fits(width: int | None, tmp_path: Path,
                                     monkeypatch: pytest.MonkeyPatch,
                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``COLUMNS`` below 80 gets the 80-column layout (it cut numbers to ``25.`` and
+    dropped the policy column)."""
     doc_path = tmp_path / "r.json"
     out = render(["replay", *SMALL_AGENTIC, "--quiet", "--json", str(doc_path)], width,
                  monkeypatch, capsys)
     doc = json.loads(doc_path.read_text())
     assert len(doc["runs"]) == 6  # the six core policies, the default
     rows = table_rows(out, f"{doc['trace']} on {doc['model']}", len(doc["runs"]),
-                      width or PIPED_WIDTH)
+                      max(width or PIPED_WIDTH, MIN_REPORT_WIDTH))
     assert f"ceiling {pct(doc['ceiling'])}" in out
     for line, run in zip(rows, doc["runs"], strict=True):
         assert_row(line, run["policy"], [pct(run["hit_rate"]), pct(run["bound"]),

@@ -57,6 +57,20 @@ def test_mooncake_fields_and_expansion(tmp_path: Path) -> None:
     assert load_trace(path, limit=2).requests == trace.requests[:2]
 
 
+def test_a_byte_order_mark_is_not_content(tmp_path: Path) -> None:
+    """Windows editors start a file with U+FEFF; it read as ``invalid JSON: Unexpected
+    UTF-8 BOM (decode using utf-8-sig)`` (JSONL) or the same for a WEKA conversation."""
+    plain = write_lines(tmp_path / "plain.jsonl", MOONCAKE)
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert load_trace(marked).requests == load_trace(plain).requests
+    conversation = weka_file(tmp_path / "trace_0001.json.gz", [weka_request(0.0, 100, [1])])
+    bare = json.loads(gzip.decompress(conversation.read_bytes()))
+    marked_weka = tmp_path / "trace_0002.json"
+    marked_weka.write_bytes(b"\xef\xbb\xbf" + json.dumps(bare).encode())
+    assert [r.input_length for r in load_trace(marked_weka).requests] == [100]
+
+
 @pytest.mark.parametrize(
     ("bad_line", "field"),
     [

@@ -151,9 +151,12 @@ kind = "full_attention"
 """
 
 
-def test_user_toml_with_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bom", [b"", b"\xef\xbb\xbf"])
+def test_user_toml_with_runs(tmp_path: Path, bom: bytes) -> None:
+    """A byte-order mark (Windows editors write one) is not part of the TOML: it read as
+    ``invalid TOML: Invalid statement (at line 1, column 1)``."""
     path = tmp_path / "mine.toml"
-    path.write_text(RUNS_TOML)
+    path.write_bytes(bom + RUNS_TOML.encode())
     shape = load_model(path)
     assert shape.name == "tiny" and shape.source == str(path) and shape.num_layers == 5
     assert shape.layer_specs() == [FullAttentionSpec(4, 10)] * 2 \

@@ -49,6 +49,10 @@ DETAIL_HELP = ("also print the tables of the other columns (miss causes, tokens,
 PIPED_WIDTH = 120
 """Columns of a report written to a pipe or file, unless ``COLUMNS`` says otherwise (the
 default tables fit 80)."""
+MIN_REPORT_WIDTH = 80
+"""Fewest columns a report is laid out in: a narrower terminal or ``COLUMNS=30`` gets the
+80-column layout (the terminal wraps its lines) instead of tables whose columns are cut to
+``25.`` or dropped."""
 
 
 class Terminated(BaseException):
@@ -272,10 +276,12 @@ def _sigterm_raises() -> Iterator[None]:
 
 def _report_console() -> Console:
     """Standard output's console: a terminal's width; for a pipe or a file ``COLUMNS``
-    when set, else ``PIPED_WIDTH``."""
+    when set, else ``PIPED_WIDTH``; never narrower than ``MIN_REPORT_WIDTH``."""
     console = Console()
     if not console.is_terminal and not os.environ.get("COLUMNS", "").isdigit():
         console = Console(width=PIPED_WIDTH)
+    if console.width < MIN_REPORT_WIDTH:
+        console = Console(width=MIN_REPORT_WIDTH)
     return console
 
 

@@ -104,6 +104,23 @@ def run_router(name: str, trace: Trace, config: CacheConfig, policy: str,
         backend.close()
 
 
+DEFAULT_LOAD_WEIGHT = 1.0
+
+
+def _check_prefix_options(args: argparse.Namespace, names: Sequence[str]) -> None:
+    """``--load-weight`` and ``--bounded-load`` shape the prefix routers only: refused when
+    ``--router`` runs none (they would be ignored); then ``--load-weight``'s default."""
+    if not any(uses_events(name) for name in names):
+        for flag, value in (("--load-weight", args.load_weight),
+                            ("--bounded-load", args.bounded_load)):
+            if value is not None:
+                raise ConfigError(flag, value, f"shapes the prefix routers only; --router "
+                                  f"{args.router} runs none: drop it or add prefix-fa / "
+                                  "prefix-residency")
+    if args.load_weight is None:
+        args.load_weight = DEFAULT_LOAD_WEIGHT
+
+
 def _single_trace(source: Source) -> Trace:
     if source.is_multi_scenario or len(source.scenarios) != 1:
         raise ConfigError("--workload", source.name, "a cluster replay needs one trace; the "
@@ -134,6 +151,7 @@ def cmd_cluster(args: argparse.Namespace, console: Console, err_console: Console
     if args.ray:
         import_ray()
     names = parse_routers(args.router, list(router_builders()))
+    _check_prefix_options(args, names)
     source = resolve_source(args)
     trace = _single_trace(source)
     shape = load_model(DEFAULT_MODEL if args.model is None else args.model)
@@ -231,7 +249,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser,
     parser.add_argument("--policy", default=DEFAULT_POLICY, type=non_empty_str,
                         help=f"retention/eviction policy of every instance "
                         f"(default {DEFAULT_POLICY})")
-    parser.add_argument("--load-weight", type=non_negative_float, default=1.0,
+    parser.add_argument("--load-weight", type=non_negative_float, default=None,
                         help="prefix routers' score = matched tokens - WEIGHT x queued "
                         "prompt tokens (default 1: the prefill tokens computed before the "
                         "request's first token)")

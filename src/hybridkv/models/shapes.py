@@ -144,7 +144,7 @@ def load_model(name_or_path: str | Path) -> ModelShape:
         raise ConfigError("model", text, f"not a bundled preset ({', '.join(list_presets())}) "
                                          "and not an existing .toml file")
     try:
-        with path.open("r", encoding="utf-8") as stream:
+        with path.open("r", encoding="utf-8-sig") as stream:
             content = stream.read(MAX_MODEL_FILE_BYTES + 1)
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError("model", text, f"cannot be read: {err}") from err

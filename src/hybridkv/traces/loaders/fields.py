@@ -92,7 +92,7 @@ def read_json_lines(path: Path, *, allow_empty: bool = False,
     require_existing(path)
     found = False
     try:
-        with path.open("r", encoding="utf-8") as stream:
+        with path.open("r", encoding="utf-8-sig") as stream:
             line_number = 0
             while text := stream.readline(MAX_LINE_CHARS + 1):
                 line_number += 1
@@ -123,10 +123,10 @@ def read_json_document(path: Path) -> JsonObject:
     where = Where(str(path))
     try:
         if path.name.endswith(".gz"):
-            with gzip.open(path, "rt", encoding="utf-8") as stream:
+            with gzip.open(path, "rt", encoding="utf-8-sig") as stream:
                 text = stream.read(MAX_DOCUMENT_CHARS + 1)
         else:
-            with path.open("r", encoding="utf-8") as stream:
+            with path.open("r", encoding="utf-8-sig") as stream:
                 text = stream.read(MAX_DOCUMENT_CHARS + 1)
     except (OSError, EOFError, UnicodeDecodeError, zlib.error) as err:
         raise where.error("file", f"cannot be read: {err}") from err
