@@ -5,6 +5,7 @@ cluster ``--jobs``): how a worker starts (``worker_init``) and ``TaskFeed``
 
 from __future__ import annotations
 
+import multiprocessing.pool
 import os
 import signal
 import sys
@@ -29,6 +30,37 @@ def worker_init(parent_pid: int) -> None:
         os._exit(1)
 
 
+def kill_pool_workers(pool: object) -> None:
+    """SIGKILL every live worker of a ``multiprocessing`` pool, so that its ``terminate``
+    (``Pool.__exit__``) can no longer wait on one: a SIGTERM that reached the parent while
+    it was still starting them could leave one it never signals (seen: the parent waiting
+    forever on an idle worker).
+
+    A worker killed inside a queue operation dies holding that queue's lock, and
+    ``terminate`` takes two of them: the task queue's read lock (an idle worker holds it
+    while it waits for a task: ``Pool(2)`` idle, killed, then ``terminate`` hung every
+    time) and the result queue's write lock. Once the workers are dead and the pool makes
+    no new ones, a lock still taken can only be a dead worker's: it is released.
+    """
+    handler = getattr(pool, "_worker_handler", None)
+    if handler is not None:  # ``terminate``'s first step: no replacements for the killed
+        handler._state = multiprocessing.pool.TERMINATE
+    workers = [p for p in getattr(pool, "_pool", ()) if p.exitcode is None]
+    for process in workers:
+        process.kill()
+    for process in workers:
+        process.join(timeout=5.0)
+    for queue, name in ((getattr(pool, "_inqueue", None), "_rlock"),
+                        (getattr(pool, "_outqueue", None), "_wlock")):
+        lock = getattr(queue, name, None)
+        if lock is None:
+            continue
+        if lock.acquire(False):  # free: give it back
+            lock.release()
+        elif not any(p.exitcode is None for p in workers):
+            lock.release()  # held by a killed worker
+
+
 def _set_parent_death_signal() -> bool:
     if not sys.platform.startswith("linux"):
         return False
@@ -48,4 +80,4 @@ def _exit_with_parent(parent_pid: int) -> None:  # pragma: no cover - non-Linux 
 
 
 
-__all__ = ["PR_SET_PDEATHSIG", "worker_init"]
+__all__ = ["PR_SET_PDEATHSIG", "kill_pool_workers", "worker_init"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from rich.progress import Progress
 
 from hybridkv.models.shapes import ModelShape
-from hybridkv.parallel.processes import worker_init
+from hybridkv.parallel.processes import kill_pool_workers, worker_init
 from hybridkv.parallel.task_feed import TaskFeed
 from hybridkv.sim.bound_share import BoundBroker, BoundPair, set_bounds
 from hybridkv.sweep.cells import (
@@ -174,20 +174,10 @@ def run_processes(work: SweepWork, cells: Sequence[Cell], jobs: int, on_done: On
                     if done is not None:
                         on_done(cells[item], done)
             except BaseException:
-                _kill_workers(pool)
+                kill_pool_workers(pool)
                 raise
     finally:
         _JOB = None
-
-
-def _kill_workers(pool: object) -> None:
-    """SIGKILL every live worker before ``Pool.__exit__`` terminates the pool: its
-    ``terminate`` joins the workers, and a SIGTERM that reached the parent while it was
-    still starting them could leave one it never signals (seen: the parent waiting forever
-    on an idle worker)."""
-    for process in getattr(pool, "_pool", ()):
-        if process.exitcode is None:
-            process.kill()
 
 
 __all__ = ["OnDone", "SharedCellBounds", "SweepWork", "run_processes", "run_serial"]
