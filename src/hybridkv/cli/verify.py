@@ -221,6 +221,11 @@ drop it or add --pattern v4
 
 def _run_verify_command(args: argparse.Namespace) -> int:
     _fill_scoped_defaults(args)
+    block_tokens = math.lcm(args.block_size, args.full_block_size or args.block_size)
+    if args.trace is not None and args.trace_max_tokens < 2 * block_tokens:
+        raise ConfigError("--trace-max-tokens", args.trace_max_tokens, f"prompts cut below "
+                          f"two {block_tokens}-token blocks share no cached block, so every "
+                          f"policy would pass unchecked; give at least {2 * block_tokens}")
     try:
         import torch
 
